@@ -1,0 +1,370 @@
+"""Config loading: dataclass defaults < TOML file < `--section.key=value` on the command line.
+
+Each module owns its config as a `@dataclass` whose fields carry a docstring on the next line;
+`train.py` nests them into one tree and calls `parse_config(RunConfig, sys.argv[1:])`. This module
+is generic: it imports nothing from the rest of the project, so any module may import it.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import difflib
+import inspect
+import itertools
+import math
+import textwrap
+import tomllib
+import types
+from dataclasses import MISSING, Field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+T = TypeVar("T")
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+_NONE = ("none", "null")
+
+
+class ConfigError(ValueError):
+    """Bad user input (config, mesh, missing data file...): printed as one line, exit status 2."""
+
+
+class HelpRequested(Exception):
+    """`--help` was given: the caller prints `.text` on rank 0 and exits 0."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written on the line after each field, read from the class source."""
+    docs: dict[str, str] = {}
+    # Base classes first so a subclass can re-document an inherited field.
+    for klass in reversed(cls.__mro__):
+        if not is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):  # defined in a REPL or exec(): no docs, not an error
+            continue
+        body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+        for stmt, after in itertools.pairwise(body):  # `name: type = value` then a string
+            match stmt, after:
+                case ast.AnnAssign(target=ast.Name(id=name)), ast.Expr(ast.Constant(str(doc))):
+                    docs[name] = inspect.cleandoc(doc)
+    return docs
+
+
+def parse_config(cls: type[T], argv: list[str]) -> T:
+    """Build `cls` from argv = `[CONFIG.toml] [--section.key=value | --section.key value] ...`."""
+    if "-h" in argv or "--help" in argv:
+        raise HelpRequested(help_text(cls))
+    # Values are gathered into plain nested dicts first, so each dataclass is constructed once,
+    # with its final values, and its __post_init__ validates what the run will actually use.
+    store: dict[str, Any] = {}
+    i = 0
+    if argv and not argv[0].startswith("-"):
+        _merge_toml(store, cls, _load_toml(argv[0]), "", f"from {argv[0]}")
+        i = 1
+    while i < len(argv):  # in order, so a key given twice takes the last value
+        token = argv[i]
+        i += 1
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(
+                f"unexpected argument {token!r}: only the first argument may be a TOML file; "
+                "overrides look like --section.key=value"
+            )
+        key, has_value, raw = token[2:].partition("=")
+        source = f"from --{key}"
+        parts = key.replace("-", "_").split(".")
+        hint = _resolve(cls, parts, source)
+        if not has_value:
+            takes_word = i < len(argv) and argv[i].lower() in _TRUE + _FALSE
+            if bool in (hint, *get_args(hint)) and not takes_word:
+                raw = "true"  # a bare `--flag` switches a bool on
+            elif i < len(argv) and not argv[i].startswith("--"):
+                raw, i = argv[i], i + 1
+            else:
+                raise ConfigError(f"--{key} needs a value (<{_type_name(hint)}>)")
+        node = store
+        for name in parts[:-1]:
+            node = node.setdefault(name, {})
+        node[parts[-1]] = _convert(raw, hint, ".".join(parts), source, cli=True)
+    return _build(cls, store, "", None)
+
+
+def help_text(cls: type) -> str:
+    """Every key as `--section.key=<type> (default: X)  docstring`, grouped by section."""
+    lines = [
+        "usage: [CONFIG.toml] [--section.key=value | --section.key value | --flag] ...",
+        "Precedence: defaults < CONFIG.toml < command line. Lists are comma-separated;",
+        "'none' unsets an optional key; dashes in keys may stand for underscores.",
+        "",
+    ]
+    _help_lines(cls, "", None, lines)
+    return "\n".join(lines) + "\n"
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Nested plain dict of a config tree; None values are left out (TOML has no null)."""
+    out: dict[str, Any] = {}
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if not f.init or value is None:
+            continue
+        out[f.name] = config_to_dict(value) if is_dataclass(value) else value
+    return out
+
+
+def config_to_toml(cfg: Any) -> str:
+    """TOML text of a config tree, each key under a `# docstring`; `parse_config` reads it back.
+
+    None values are omitted, so they read back as the field's default: exact when that default
+    is None, which is how optional fields are meant to be declared.
+    """
+    lines: list[str] = []
+    _toml_lines(cfg, "", lines)
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+# ---- reading --------------------------------------------------------------------------------
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    if not Path(path).is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from e
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    # get_type_hints resolves string annotations from `from __future__ import annotations`.
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls) if f.init}
+
+
+def _is_section(hint: Any) -> bool:
+    return isinstance(hint, type) and is_dataclass(hint)
+
+
+def _is_union(hint: Any) -> bool:
+    return get_origin(hint) in (Union, types.UnionType)
+
+
+def _lookup(cls: type, name: str, prefix: str, source: str) -> Any:
+    """Type of field `name` of `cls`, or a ConfigError listing the valid keys at this level."""
+    hints = _hints(cls)
+    if name in hints:
+        return hints[name]
+    close = difflib.get_close_matches(name, list(hints), n=1)
+    guess = f"did you mean '{prefix}{close[0]}'? " if close else ""
+    level = f"in [{prefix[:-1]}]" if prefix else "at top level"
+    raise ConfigError(
+        f"unknown key '{prefix}{name}' ({source}): {guess}valid keys {level}: {', '.join(hints)}"
+    )
+
+
+def _resolve(cls: type, parts: list[str], source: str) -> Any:
+    """Type of the leaf named by a dotted command-line key, checking every level on the way."""
+    for i, name in enumerate(parts):
+        prefix = "".join(p + "." for p in parts[:i])
+        hint = _lookup(cls, name, prefix, source)
+        path = prefix + name
+        if _is_section(hint) and i == len(parts) - 1:
+            raise ConfigError(
+                f"'{path}' is a section, not a value ({source}); set its keys as "
+                f"--{path}.KEY=VALUE, valid keys: {', '.join(_hints(hint))}"
+            )
+        if not _is_section(hint) and i < len(parts) - 1:
+            raise _not_a_section(path, hint, source)
+        cls = hint
+    return hint
+
+
+def _not_a_section(path: str, hint: Any, source: str) -> ConfigError:
+    return ConfigError(f"'{path}' is a value of type {_type_name(hint)}, not a section ({source})")
+
+
+def _merge_toml(store: dict, cls: type, table: dict, prefix: str, source: str) -> None:
+    for name, value in table.items():
+        hint = _lookup(cls, name, prefix, source)
+        path = prefix + name
+        if _is_section(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(
+                    f"'{path}' is a section: expected a table [{path}], got {value!r} ({source})"
+                )
+            _merge_toml(store.setdefault(name, {}), hint, value, path + ".", source)
+        elif isinstance(value, dict):
+            raise _not_a_section(path, hint, source)
+        else:
+            store[name] = _convert(value, hint, path, source, cli=False)
+
+
+def _convert(value: Any, hint: Any, path: str, source: str, cli: bool) -> Any:
+    """Check a TOML value, or parse a command-line string, against a field's annotation."""
+    origin, args = get_origin(hint), get_args(hint)
+    if _is_union(hint):
+        if type(None) in args and cli and value.lower() in _NONE:
+            return None
+        for member in args:  # first member that accepts the value wins, e.g. `int | str`
+            if member is not type(None):
+                try:
+                    return _convert(value, member, path, source, cli)
+                except ConfigError:
+                    pass
+    elif origin is Literal:
+        for choice in args:
+            if (str(choice) == value) if cli else (type(choice) is type(value) and choice == value):
+                return choice
+        choices = ", ".join(str(c) for c in args)
+        raise ConfigError(f"{path}: {value!r} is not one of: {choices} ({source})")
+    elif origin is list:
+        if cli:
+            value = [item.strip() for item in value.split(",")] if value.strip() else []
+        if isinstance(value, list):
+            item_type = args[0] if args else str
+            return [
+                _convert(v, item_type, f"{path}[{i}]", source, cli) for i, v in enumerate(value)
+            ]
+    elif hint is bool:
+        if not cli and isinstance(value, bool):
+            return value
+        if cli and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
+    elif hint in (int, float):
+        if cli:
+            with contextlib.suppress(ValueError):
+                return hint(value)  # int() takes "1_000" but rejects "1.5" and "1e3"
+        # type() and not isinstance(): bool is an int subclass, but `steps = true` is a mistake.
+        elif type(value) is int or (hint is float and type(value) is float):
+            return hint(value)
+    elif hint is str:
+        if cli or isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"{path}: config annotations cannot use {hint!r}")
+    raise ConfigError(f"{path}: expected {_type_name(hint)}, got {value!r} ({source})")
+
+
+def _field_default(f: Field, hint: Any, defaults: Any) -> Any:
+    """Default of a field, MISSING if required; None for a section means its class defaults."""
+    if defaults is not None:  # the enclosing section came from e.g. `lambda: Cfg(dim=64)`
+        return getattr(defaults, f.name)
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is hint:
+        # Not called: its values are the class defaults anyway, and this way each section is
+        # constructed exactly once, with its final values (its __post_init__ sees only those).
+        return None
+    return f.default_factory() if f.default_factory is not MISSING else MISSING
+
+
+def _build(cls: type[T], store: dict, prefix: str, defaults: Any) -> T:
+    hints, kwargs = _hints(cls), {}
+    for f in fields(cls):
+        if not f.init:
+            continue
+        hint, path = hints[f.name], prefix + f.name
+        if _is_section(hint):
+            sub_defaults = _field_default(f, hint, defaults)
+            sub_defaults = None if sub_defaults is MISSING else sub_defaults
+            kwargs[f.name] = _build(hint, store.get(f.name, {}), path + ".", sub_defaults)
+        elif f.name in store:
+            kwargs[f.name] = store[f.name]
+        elif (default := _field_default(f, hint, defaults)) is not MISSING:
+            kwargs[f.name] = default
+        else:
+            raise ConfigError(f"missing required key '{path}' (<{_type_name(hint)}>)")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        section = prefix[:-1]
+        # Validators may already name their keys ("train.lr must ..."); don't say it twice.
+        if section and not str(e).startswith((f"{section}.", f"{section}:", f"{section} ")):
+            raise ConfigError(f"{section}: {e}") from e
+        raise
+
+
+# ---- writing --------------------------------------------------------------------------------
+
+
+def _type_name(hint: Any) -> str:
+    args = get_args(hint)
+    if _is_union(hint):
+        return " | ".join("none" if a is type(None) else _type_name(a) for a in args)
+    if get_origin(hint) is Literal:
+        return "|".join(str(a) for a in args)
+    if get_origin(hint) is list:
+        return f"list[{_type_name(args[0]) if args else 'str'}]"
+    return getattr(hint, "__name__", str(hint))
+
+
+# TOML basic strings must escape the quote, backslash, control characters and DEL.
+_ESCAPES = {c: f"\\u{c:04x}" for c in [*range(0x20), 0x7F]}
+_ESCAPES |= {ord('"'): '\\"', ord("\\"): "\\\\", ord("\n"): "\\n", ord("\t"): "\\t"}
+
+
+def _toml_value(value: Any) -> str:
+    if value is None:  # only for --help: the TOML writer leaves None keys out
+        return "none"
+    if isinstance(value, bool):  # before int: bool is an int subclass
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)  # shortest string that parses back to the same float
+    if isinstance(value, str):
+        return '"' + value.translate(_ESCAPES) + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} {value!r} as TOML")
+
+
+def _comment(doc: str | None) -> list[str]:
+    return [f"# {line}".rstrip() for line in doc.splitlines()] if doc else []
+
+
+def _toml_lines(cfg: Any, prefix: str, lines: list[str]) -> None:
+    docs, sections = field_docs(type(cfg)), []
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if not f.init or value is None:
+            continue
+        if is_dataclass(value):
+            sections.append((f.name, value))  # TOML needs a table's plain keys before subtables
+        else:
+            lines += [*_comment(docs.get(f.name)), f"{f.name} = {_toml_value(value)}"]
+    for name, sub in sections:
+        lines += ["", *_comment(docs.get(name)), f"[{prefix}{name}]"]
+        _toml_lines(sub, f"{prefix}{name}.", lines)
+
+
+def _help_lines(cls: type, prefix: str, defaults: Any, lines: list[str]) -> None:
+    docs, hints, sections = field_docs(cls), _hints(cls), []
+    for f in fields(cls):
+        if not f.init:
+            continue
+        hint, doc = hints[f.name], " ".join(docs.get(f.name, "").split())
+        if _is_section(hint):
+            sections.append((f, hint, doc))
+            continue
+        default = _field_default(f, hint, defaults)
+        shown = "required" if default is MISSING else f"default: {_toml_value(default)}"
+        lines.append(f"  --{prefix}{f.name}=<{_type_name(hint)}> ({shown})  {doc}".rstrip())
+    for f, hint, doc in sections:
+        lines += ["", f"[{prefix}{f.name}]  {doc}".rstrip()]
+        sub_defaults = _field_default(f, hint, defaults)
+        _help_lines(
+            hint, f"{prefix}{f.name}.", None if sub_defaults is MISSING else sub_defaults, lines
+        )
