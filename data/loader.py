@@ -1,0 +1,309 @@
+"""Read prepared token shards as fixed-length sequences, in one global order shared by all ranks.
+
+The training data is a single *global stream* of sample positions k = 0, 1, 2, ...; position k is
+sample ``perm_e[k % N]`` of epoch ``e = k // N``. Micro-step j covers positions
+``[j*D*B, (j+1)*D*B)`` (D = data-parallel size, B = micro-batch size) and data-parallel rank r
+reads the contiguous slice ``[j*D*B + r*B, j*D*B + (r+1)*B)``. Hence:
+
+- an optimizer step with A accumulation micro-steps covers the same A*D*B positions for every
+  (D, B, A) with the same global batch, so the mesh and micro-batching do not change training;
+- the loader's state is one number, the global positions consumed, identical on every rank,
+  so a checkpoint resumes on a different mesh as long as D*B divides it.
+
+Nothing here talks to the process group: the trainer passes ``dp_rank`` and ``dp_size``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from configs import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13: a warning per loader that tells
+# the user nothing actionable.
+warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
+
+Split = Literal["train", "val"]
+
+
+@dataclass
+class DataConfig:
+    path: str = "outputs/data/stdlib"
+    """Directory made by `python -m data.prepare`."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    num_workers: int = 0
+    """DataLoader worker processes; 0 reads in the training process (enough for a memmap)."""
+    shuffle: bool = True
+    """Shuffle training sequences (deterministically from the seed) each epoch."""
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ConfigError(f"data.seq_len must be >= 1, got {self.seq_len}")
+        if self.num_workers < 0:
+            raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One flat token file of a split."""
+
+    file: Path
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class DatasetIndex:
+    """The contents of a prepared dataset's index.json, with shard paths resolved."""
+
+    path: Path
+    dtype: Literal["uint16", "uint32"]
+    vocab_size: int
+    eos_id: int
+    tokenizer: dict[str, Any]
+    splits: dict[str, list[Shard]]
+
+    def num_tokens(self, split: Split) -> int:
+        return sum(shard.num_tokens for shard in self.splits.get(split, []))
+
+
+def open_dataset(path: str | Path) -> DatasetIndex:
+    """Read ``path/index.json`` and check the shards exist. Cheap, no collectives, no data read."""
+    root = Path(path)
+    index_file = root / "index.json"
+    if not index_file.is_file():
+        raise ConfigError(
+            f"data.path: no prepared dataset at '{path}' (index.json not found); "
+            f"create it with: python -m data.prepare --out {path}"
+        )
+    raw = json.loads(index_file.read_text())
+    if raw.get("version") != 1 or raw.get("dtype") not in ("uint16", "uint32"):
+        raise ConfigError(
+            f"data.path: '{index_file}' has version {raw.get('version')!r} and dtype "
+            f"{raw.get('dtype')!r}; this trainer reads version 1 with uint16 or uint32. "
+            f"Re-create it with: python -m data.prepare --out {path}"
+        )
+    itemsize = np.dtype(raw["dtype"]).itemsize
+    splits: dict[str, list[Shard]] = {}
+    for split, shards in raw["splits"].items():
+        splits[split] = []
+        for entry in shards:
+            shard = Shard(root / entry["file"], int(entry["num_tokens"]))
+            if not shard.file.is_file():
+                raise ConfigError(
+                    f"data.path: shard '{shard.file}' listed in index.json is missing"
+                )
+            # A size check catches a truncated copy now instead of as garbage tokens mid-run.
+            if shard.file.stat().st_size != shard.num_tokens * itemsize:
+                raise ConfigError(
+                    f"data.path: shard '{shard.file}' has {shard.file.stat().st_size} bytes, "
+                    f"index.json expects {shard.num_tokens} {raw['dtype']} tokens"
+                )
+            splits[split].append(shard)
+    return DatasetIndex(
+        path=root,
+        dtype=raw["dtype"],
+        vocab_size=int(raw["vocab_size"]),
+        eos_id=int(raw["eos_id"]),
+        tokenizer=raw["tokenizer"],
+        splits=splits,
+    )
+
+
+class TokenSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Sample i: ``(inputs, targets)``, two int64 tensors of ``seq_len`` tokens, shifted by one.
+
+    Windows of ``seq_len + 1`` tokens start every ``seq_len`` tokens and never cross a shard, so a
+    shard of n tokens holds ``(n - 1) // seq_len`` samples. Each target token is predicted once.
+    """
+
+    def __init__(self, index: DatasetIndex, split: Split, seq_len: int) -> None:
+        self.shards = index.splits.get(split, [])
+        self.dtype = np.dtype(index.dtype)
+        self.seq_len = seq_len
+        counts = [max(shard.num_tokens - 1, 0) // seq_len for shard in self.shards]
+        # starts[i] is the first sample of shard i; bisect over it finds a sample's shard.
+        self.starts = np.cumsum([0, *counts]).tolist()
+        if self.starts[-1] == 0:
+            raise ConfigError(
+                f"data: the '{split}' split of '{index.path}' has {index.num_tokens(split)} "
+                f"tokens, too few for one sequence of data.seq_len={seq_len} (+1 target token)"
+            )
+        # Opened on first access, in whichever process reads: worker processes get their own maps.
+        self._maps: list[np.memmap] | None = None
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range [0, {len(self)})")
+        if self._maps is None:
+            self._maps = [np.memmap(s.file, dtype=self.dtype, mode="r") for s in self.shards]
+        shard = bisect.bisect_right(self.starts, i) - 1
+        begin = (i - self.starts[shard]) * self.seq_len
+        window = torch.from_numpy(
+            self._maps[shard][begin : begin + self.seq_len + 1].astype(np.int64)
+        )
+        return window[:-1], window[1:]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickling a memmap copies all its data; workers started by spawn reopen the files instead.
+        return {**self.__dict__, "_maps": None}
+
+
+class GlobalStreamBatchSampler(Sampler[list[int]]):
+    """Infinite batch sampler: this rank's slice of each micro-step of the global stream.
+
+    State (``state_dict``) is the global number of stream positions consumed, the same on every
+    rank for any D and B. It advances when a batch is *drawn*, which with worker prefetching is
+    ahead of what training has used; ``StatefulDataLoader`` snapshots it at the batch it returns,
+    so save and restore the loader, not this sampler.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        micro_batch_size: int,
+        seed: int,
+        shuffle: bool,
+        restart_each_iter: bool = False,
+    ) -> None:
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ConfigError(f"data: need 0 <= dp_rank < dp_size, got {dp_rank=} {dp_size=}")
+        if micro_batch_size < 1:
+            raise ConfigError(f"data: micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.num_samples = num_samples
+        self.dp_rank, self.dp_size, self.micro_batch_size = dp_rank, dp_size, micro_batch_size
+        self.seed, self.shuffle = seed, shuffle
+        self.restart_each_iter = restart_each_iter
+        self.consumed = 0
+        self._loaded = False
+        self._perm_epoch = -1
+        self._perm: list[int] = []
+
+    @property
+    def positions_per_micro_step(self) -> int:
+        return self.dp_size * self.micro_batch_size
+
+    def sample_at(self, position: int) -> int:
+        """The dataset index at global stream ``position``."""
+        epoch, offset = divmod(position, self.num_samples)
+        if not self.shuffle:
+            return offset
+        if epoch != self._perm_epoch:  # one permutation per epoch, cached while it is in use
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            self._perm = torch.randperm(self.num_samples, generator=gen).tolist()
+            self._perm_epoch = epoch
+        return self._perm[offset]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # Train continues the stream on a new iterator; val restarts at 0 for every evaluation.
+        # Either way a state loaded just before wins: that is how StatefulDataLoader resumes.
+        if self.restart_each_iter and not self._loaded:
+            self.consumed = 0
+        self._loaded = False
+        return self._batches()
+
+    def _batches(self) -> Iterator[list[int]]:
+        while True:
+            first = self.consumed + self.dp_rank * self.micro_batch_size
+            batch = [self.sample_at(k) for k in range(first, first + self.micro_batch_size)]
+            # Advance before yielding: StatefulDataLoader reads the state right after drawing.
+            self.consumed += self.positions_per_micro_step
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "consumed": self.consumed,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        consumed = int(state["consumed"])
+        per_step = self.positions_per_micro_step
+        if consumed < 0 or consumed % per_step:
+            raise ConfigError(
+                f"data: cannot resume at global stream position {consumed}: it is not a multiple "
+                f"of dp_size * micro_batch_size = {self.dp_size} * {self.micro_batch_size} = "
+                f"{per_step}. Every micro-step reads {per_step} consecutive positions, so the "
+                "data-parallel size times the micro-batch size must divide the positions already "
+                "consumed (keep the checkpoint's global batch, or one that divides it)"
+            )
+        mine = self.state_dict()
+        changed = [
+            k for k in ("num_samples", "seed", "shuffle") if k in state and state[k] != mine[k]
+        ]
+        if changed:
+            logger.warning(
+                "data: resuming at position %d, but %s changed since the checkpoint (%s -> %s); "
+                "the stream continues in a different order",
+                consumed,
+                ", ".join(changed),
+                {k: state[k] for k in changed},
+                {k: mine[k] for k in changed},
+            )
+        self.consumed = consumed
+        self._loaded = True
+
+
+def build_dataloader(
+    cfg: DataConfig,
+    split: Split,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    micro_batch_size: int,
+    seed: int,
+    index: DatasetIndex | None = None,
+) -> StatefulDataLoader:
+    """An infinite loader of ``(inputs, targets)`` micro-batches, each ``[micro_batch_size,
+    seq_len]`` int64, for this data-parallel rank.
+
+    ``loader.state_dict()`` / ``load_state_dict()`` save and restore the exact position, with or
+    without workers (resuming needs the same ``num_workers``: torchdata asserts it). The state is
+    the same on every rank and loads on any mesh whose ``dp_size * micro_batch_size`` divides it.
+
+    Train: iterate once (``batches = iter(loader)``). With workers the sampler runs ahead of the
+    batches returned, so a second ``iter(loader)`` would skip the prefetched ones; to continue
+    exactly, ``loader.load_state_dict(loader.state_dict())`` first. Val: never shuffled, and
+    every ``iter(loader)`` restarts at the first batch, so each evaluation sees the same data.
+    """
+    index = index if index is not None else open_dataset(cfg.path)
+    dataset = TokenSequences(index, split, cfg.seq_len)
+    sampler = GlobalStreamBatchSampler(
+        len(dataset),
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        micro_batch_size=micro_batch_size,
+        seed=seed,
+        shuffle=cfg.shuffle and split == "train",
+        restart_each_iter=split == "val",
+    )
+    return StatefulDataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=cfg.num_workers,
+        pin_memory=torch.cuda.is_available(),
+        # A snapshot at every batch makes state_dict() exact without replaying batches on load.
+        snapshot_every_n_steps=1,
+    )

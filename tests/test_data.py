@@ -1,0 +1,379 @@
+"""Data: prepare (text -> shards), the dataset reader, and the global-stream sampler and loader."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from configs import ConfigError
+from data.loader import (
+    DataConfig,
+    GlobalStreamBatchSampler,
+    TokenSequences,
+    build_dataloader,
+    open_dataset,
+)
+from data.prepare import find_files, is_val, main, prepare, stdlib_dir
+from data.tokenizer import ByteTokenizer, HFTokenizer
+
+# torchdata 0.11 calls torch.set_vital, which newer torch marks deprecated; not our warning.
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
+SEQ = 16
+
+
+def _text(i: int) -> str:
+    return f"# document {i} héllo ✓\n" + "".join(f"line {j} of file {i}\n" for j in range(60))
+
+
+def _write_corpus(root: Path, n: int = 40) -> dict[str, str]:
+    """Files under ``root`` (plus ignored ones); returns {doc_key: text} of the corpus."""
+    docs = {}
+    for i in range(n):
+        key = f"{'sub/' if i % 3 else ''}doc{i:02d}.{('txt', 'md', 'py')[i % 3]}"
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_text(_text(i))
+        docs[key] = _text(i)
+    (root / "skip.bin").write_text("not matched by the pattern")
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD.txt").write_text("hidden directories are skipped")
+    (root / "empty.txt").write_text("")
+    return docs
+
+
+def _documents(out: Path, split: str) -> list[str]:
+    """Decode a split's shards back into EOS-separated documents."""
+    index = json.loads((out / "index.json").read_text())
+    tokens = np.concatenate(
+        [np.fromfile(out / s["file"], dtype=index["dtype"]) for s in index["splits"][split]]
+        or [np.zeros(0, dtype=np.uint16)]
+    )
+    assert len(tokens) == 0 or tokens[-1] == index["eos_id"]
+    ends = np.flatnonzero(tokens == index["eos_id"])
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    tok = ByteTokenizer()
+    return [tok.decode(tokens[a:b].tolist()) for a, b in zip(starts, ends, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    root = tmp_path_factory.mktemp("corpus")
+    return root, _write_corpus(root)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory, corpus: tuple[Path, dict]) -> Path:
+    # Small shards so samples come from several files and the shard-boundary rule matters.
+    out = tmp_path_factory.mktemp("data") / "ds"
+    return prepare([str(corpus[0])], out, val_fraction=0.2, shard_tokens=20_000)
+
+
+# --- prepare ---------------------------------------------------------------------------------
+
+
+def test_prepare_round_trips_text_and_splits_by_document(
+    dataset: Path, corpus: tuple[Path, dict[str, str]]
+) -> None:
+    docs = corpus[1]
+    index = json.loads((dataset / "index.json").read_text())
+    assert index["version"] == 1 and index["dtype"] == "uint16"
+    assert index["tokenizer"] == {"kind": "byte", "path": None, "vocab_size": 258, "eos_id": 257}
+    assert (index["vocab_size"], index["eos_id"]) == (258, 257)
+    train, val = _documents(dataset, "train"), _documents(dataset, "val")
+    # Each split holds exactly the documents whose key hashes there, in sorted-key order.
+    want_val = [docs[k] for k in sorted(docs) if is_val(k, 0.2)]
+    assert val == want_val and len(val) > 0
+    assert train == [docs[k] for k in sorted(docs) if not is_val(k, 0.2)]
+    assert index["sources"]["num_documents"] == {"train": len(train), "val": len(val)}
+    for split in ("train", "val"):
+        for shard in index["splits"][split]:
+            assert 0 < shard["num_tokens"] <= 20_000
+            assert (dataset / shard["file"]).stat().st_size == 2 * shard["num_tokens"]
+    names = [s["file"] for s in index["splits"]["train"]]
+    assert names[:2] == ["train-00000.bin", "train-00001.bin"]
+
+
+def test_prepare_is_deterministic_and_replaces_its_output(
+    tmp_path: Path, corpus: tuple[Path, dict], dataset: Path
+) -> None:
+    out = prepare([str(corpus[0])], tmp_path / "again", val_fraction=0.2, shard_tokens=20_000)
+    files = sorted(p.name for p in dataset.iterdir())
+    assert files == sorted(p.name for p in out.iterdir())
+    assert all((dataset / f).read_bytes() == (out / f).read_bytes() for f in files)
+    # Re-running over an existing dataset swaps it whole and leaves no temporary directories.
+    prepare([str(corpus[0])], out, val_fraction=0.0)
+    assert json.loads((out / "index.json").read_text())["splits"]["val"] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]
+
+
+def test_prepare_jsonl_and_val_fallback(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    lines = [json.dumps({"body": f"record {i}", "id": i}) for i in range(5)]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "recs.jsonl").write_text("\n".join([*lines[:2], "", *lines[2:]]) + "\n")
+    with caplog.at_level(logging.WARNING):
+        out = prepare(
+            [str(tmp_path / "in" / "*.jsonl")], tmp_path / "out", jsonl_field="body",
+            val_fraction=1e-6,
+        )  # fmt: skip
+    # No record hashes into val at this fraction, so the last one becomes val, with a warning.
+    assert _documents(out, "train") == [f"record {i}" for i in range(4)]
+    assert _documents(out, "val") == ["record 4"]
+    assert "recs.jsonl:6" in caplog.text
+    with pytest.raises(ConfigError, match="--jsonl-field"):
+        prepare([str(tmp_path / "in")], tmp_path / "out2")  # default field "text" is absent
+
+
+def test_prepare_errors(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "a.bin").write_text("x")
+    (tmp_path / "notdata").mkdir()
+    (tmp_path / "notdata" / "keep.txt").write_text("precious")
+    cases = {
+        str(tmp_path / "missing"): "does not exist",
+        str(tmp_path / "bin"): "no files matching",
+        str(tmp_path / "*.nothing"): "matched no files",
+        str(tmp_path / "empty"): "no text found",
+    }
+    for path, message in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            prepare([path], tmp_path / "out")
+    with pytest.raises(ConfigError, match="is not a prepared dataset"):
+        prepare([str(tmp_path / "notdata")], tmp_path / "notdata")
+    with pytest.raises(ConfigError, match="val-fraction"):
+        prepare([str(tmp_path / "notdata")], tmp_path / "out", val_fraction=1.0)
+    with pytest.raises(SystemExit, match="^error: data prepare: --input .* does not exist"):
+        main(["--input", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "empty", "notdata"]
+
+
+def test_default_corpus_is_the_stdlib(tmp_path: Path) -> None:
+    # The CLI with no --input: this Python's stdlib *.py (~2 s for ~31M byte tokens).
+    main(["--out", str(tmp_path / "stdlib")])
+    index = json.loads((tmp_path / "stdlib" / "index.json").read_text())
+    assert index["sources"]["inputs"] == [str(stdlib_dir())]
+    files = find_files([str(stdlib_dir())], "*.py", frozenset({"site-packages", "dist-packages"}))
+    keys = [key for _, key in files]
+    assert "json/decoder.py" in keys and keys == sorted(keys)
+    assert not any({"site-packages", "dist-packages"} & set(k.split("/")) for k in keys)
+    non_empty = sum(1 for path, _ in files if path.stat().st_size > 0)
+    assert sum(index["sources"]["num_documents"].values()) == non_empty
+    assert open_dataset(tmp_path / "stdlib").num_tokens("train") > 1_000_000
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def test_open_dataset_errors(tmp_path: Path, dataset: Path) -> None:
+    with pytest.raises(ConfigError, match=r"python -m data.prepare --out .*nowhere"):
+        open_dataset(tmp_path / "nowhere")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in dataset.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "train-00001.bin").unlink()
+    with pytest.raises(ConfigError, match="train-00001.bin' listed in index.json is missing"):
+        open_dataset(broken)
+    (broken / "train-00001.bin").write_bytes(b"\0\0")
+    with pytest.raises(ConfigError, match="train-00001.bin' has 2 bytes"):
+        open_dataset(broken)
+
+
+def test_sequences_are_shifted_windows_within_shards(dataset: Path) -> None:
+    index = open_dataset(dataset)
+    seqs = TokenSequences(index, "train", SEQ)
+    maps = [np.fromfile(s.file, dtype=np.uint16) for s in index.splits["train"]]
+    assert len(seqs) == sum((len(m) - 1) // SEQ for m in maps)
+    in_shard0 = (len(maps[0]) - 1) // SEQ
+    # (sample, shard, window start): the first, the last of shard 0, the first of shard 1.
+    cases = [(0, 0, 0), (in_shard0 - 1, 0, (in_shard0 - 1) * SEQ), (in_shard0, 1, 0)]
+    for i, shard, start in cases:
+        x, y = seqs[i]
+        window = torch.from_numpy(maps[shard][start : start + SEQ + 1].astype(np.int64))
+        assert x.dtype == torch.int64 and torch.equal(x, window[:-1]) and torch.equal(y, window[1:])
+    with pytest.raises(IndexError):
+        seqs[len(seqs)]
+    with pytest.raises(ConfigError, match="'val' split .* too few for one sequence"):
+        TokenSequences(index, "val", 10**7)
+    with pytest.raises(ConfigError, match="seq_len"):
+        DataConfig(seq_len=0)
+
+
+# --- the global stream -----------------------------------------------------------------------
+
+
+def _sampler(
+    n: int, d: int, r: int, b: int, shuffle: bool = True, seed: int = 7
+) -> GlobalStreamBatchSampler:
+    return GlobalStreamBatchSampler(
+        n, dp_rank=r, dp_size=d, micro_batch_size=b, seed=seed, shuffle=shuffle
+    )
+
+
+def _micro_batches(n: int, d: int, r: int, b: int, steps: int, seed: int = 7) -> list[list[int]]:
+    return list(itertools.islice(iter(_sampler(n, d, r, b, seed=seed)), steps))
+
+
+def test_ranks_are_disjoint_slices_of_the_global_stream() -> None:
+    n, steps = 1000, 6
+    ranks = [_micro_batches(n, 4, r, 2, steps) for r in range(4)]
+    single = _micro_batches(n, 1, 0, 8, steps)
+    for j in range(steps):
+        # Rank r takes the r-th contiguous slice of micro-step j: concatenation = the D=1 stream.
+        assert sum((ranks[r][j] for r in range(4)), []) == single[j]
+    seen = [set(itertools.chain(*batches)) for batches in ranks]
+    assert all(seen[a].isdisjoint(seen[b]) for a in range(4) for b in range(a + 1, 4))
+    assert set().union(*seen) == set(itertools.chain(*single))
+
+
+@pytest.mark.parametrize(("d", "b"), [(2, 4), (4, 1), (2, 1), (8, 1)])
+def test_optimizer_steps_see_the_same_samples_for_any_mesh(d: int, b: int) -> None:
+    n, global_batch, steps = 50, 8, 10  # crosses an epoch boundary on the way
+    accum = global_batch // (d * b)
+    ref = _micro_batches(n, 1, 0, global_batch, steps)
+    ranks = [_micro_batches(n, d, r, b, steps * accum) for r in range(d)]
+    for s in range(steps):
+        got = [i for j in range(s * accum, (s + 1) * accum) for r in range(d) for i in ranks[r][j]]
+        assert sorted(got) == sorted(ref[s])
+
+
+def test_epochs_reshuffle_and_unshuffled_is_identity() -> None:
+    n = 12
+    stream = sum(_micro_batches(n, 1, 0, 5, 6), [])  # 30 positions: 2.5 epochs, split batches
+    epochs = [stream[:n], stream[n : 2 * n]]
+    assert all(sorted(e) == list(range(n)) for e in epochs) and epochs[0] != epochs[1]
+    assert epochs[0] == torch.randperm(n, generator=torch.Generator().manual_seed(7)).tolist()
+    plain = itertools.islice(iter(_sampler(n, 2, 1, 5, shuffle=False)), 3)
+    assert list(plain) == [[5, 6, 7, 8, 9], [3, 4, 5, 6, 7], [1, 2, 3, 4, 5]]
+
+
+# --- the loader ------------------------------------------------------------------------------
+
+
+def _loader(
+    path: Path, d: int, r: int, b: int, workers: int = 0, split: Literal["train", "val"] = "train"
+) -> StatefulDataLoader:
+    cfg = DataConfig(path=str(path), seq_len=SEQ, num_workers=workers)
+    return build_dataloader(cfg, split, dp_rank=r, dp_size=d, micro_batch_size=b, seed=3)
+
+
+def _take(loader: StatefulDataLoader, k: int) -> list[torch.Tensor]:
+    it = iter(loader)
+    return [next(it)[0] for _ in range(k)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_continues_exactly(dataset: Path, workers: int) -> None:
+    ref = _take(_loader(dataset, 1, 0, 4, workers), 9)
+    loader = _loader(dataset, 1, 0, 4, workers)
+    it = iter(loader)
+    head = [next(it)[0] for _ in range(4)]  # with workers, more batches are already prefetched
+    state = loader.state_dict()
+    resumed = _loader(dataset, 1, 0, 4, workers)
+    resumed.load_state_dict(state)
+    tail = _take(resumed, 5)
+    assert all(torch.equal(a, b) for a, b in zip(head + tail, ref, strict=True))
+
+
+@pytest.mark.parametrize(("d", "b", "workers"), [(2, 4, 0), (1, 8, 0), (4, 1, 0), (2, 4, 2)])
+def test_resume_on_another_mesh_continues_the_global_stream(
+    dataset: Path, d: int, b: int, workers: int
+) -> None:
+    ref = _take(_loader(dataset, 1, 0, 8), 8)  # global batches of 8 samples
+    states = []
+    for r in range(4):  # saved by 4 ranks with micro-batch 2 after 3 micro-steps each
+        loader = _loader(dataset, 4, r, 2, workers)
+        it = iter(loader)
+        got = [next(it)[0] for _ in range(3)]
+        assert torch.equal(got[1], ref[1][2 * r : 2 * r + 2])
+        states.append(loader.state_dict())
+    accum = 8 // (d * b)
+    loaders = [_loader(dataset, d, r, b, workers) for r in range(d)]
+    for loader in loaders:
+        loader.load_state_dict(states[0])  # identical on every rank: any rank's copy will do
+    nexts = [_take(loader, 4 * accum) for loader in loaders]
+    for s in range(4):
+        got = [nexts[r][j] for j in range(s * accum, (s + 1) * accum) for r in range(d)]
+        assert torch.equal(torch.cat(got), ref[3 + s])
+
+
+def test_resume_with_indivisible_global_batch_is_an_error(dataset: Path) -> None:
+    loader = _loader(dataset, 4, 0, 2)
+    _take(loader, 3)  # 24 positions consumed
+    state = loader.state_dict()
+    other = _loader(dataset, 1, 0, 16)
+    other.load_state_dict(state)
+    with pytest.raises(ConfigError, match="position 24: it is not a multiple of .* 1 \\* 16"):
+        iter(other)
+
+
+def test_val_loader_is_ordered_and_restarts(dataset: Path) -> None:
+    loader = _loader(dataset, 2, 1, 3, split="val")
+    seqs = TokenSequences(open_dataset(dataset), "val", SEQ)
+    first = _take(loader, 3)
+    assert torch.equal(first[0], torch.stack([seqs[i][0] for i in (3, 4, 5)]))
+    assert all(torch.equal(a, b) for a, b in zip(first, _take(loader, 3), strict=True))
+
+
+def test_loader_batches_match_the_sampler(dataset: Path) -> None:
+    seqs = TokenSequences(open_dataset(dataset), "train", SEQ)
+    indices = _micro_batches(len(seqs), 2, 1, 3, 2, seed=3)  # the loaders' seed
+    batches = itertools.islice(iter(_loader(dataset, 2, 1, 3)), 2)
+    for (x, y), batch in zip(batches, indices, strict=True):
+        assert x.shape == (3, SEQ) and torch.equal(x, torch.stack([seqs[i][0] for i in batch]))
+        assert torch.equal(y, torch.stack([seqs[i][1] for i in batch]))
+
+
+# --- tokenizers ------------------------------------------------------------------------------
+
+
+def test_byte_tokenizer() -> None:
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo ✓")
+    assert max(ids) < 256 and tok.decode([tok.bos_id, *ids, tok.eos_id]) == "héllo ✓"
+    assert tok.decode(ids[:2]) == "h\ufffd"  # a cut character decodes, it does not raise
+
+
+def test_hf_tokenizer_needs_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
+    with pytest.raises(ConfigError, match=r"pip install 'fsdp2-trainer\[hf\]'"):
+        HFTokenizer("tokenizer.json")
+
+
+def test_prepare_with_local_hf_tokenizer(tmp_path: Path, corpus: tuple[Path, dict]) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = tokenizers.Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    hf.train_from_iterator(corpus[1].values(), trainer)
+    hf.save(str(tmp_path / "tokenizer.json"))
+
+    out = prepare([str(corpus[0])], tmp_path / "out", str(tmp_path), val_fraction=0.2)
+    index = open_dataset(out)
+    tok = HFTokenizer(str(tmp_path / "tokenizer.json"))
+    assert index.dtype == "uint16" and index.tokenizer["kind"] == "hf"
+    assert index.eos_id == tok.eos_id == hf.token_to_id("<|endoftext|>")
+    tokens = np.fromfile(index.splits["train"][0].file, dtype=np.uint16)
+    first_doc = tokens[: np.flatnonzero(tokens == index.eos_id)[0]].tolist()
+    assert tok.decode(first_doc) == corpus[1][min(k for k in corpus[1] if not is_val(k, 0.2))]
+    assert HFTokenizer(str(tmp_path), eos_token="<pad>").eos_id == hf.token_to_id("<pad>")
+    with pytest.raises(ConfigError, match="--eos-token 'nope' is not in the vocabulary"):
+        HFTokenizer(str(tmp_path), eos_token="nope")
+    with pytest.raises(ConfigError, match="no tokenizer file at"):
+        HFTokenizer(str(tmp_path / "missing.json"))
