@@ -1,0 +1,371 @@
+"""Llama 3 architecture, single-device code.
+
+Parallelism is applied from outside (see `parallel/`): nothing here imports `torch.distributed`.
+The only parallel knowledge is `fsdp_units`, the plain list of modules that become FSDP units.
+
+Build order used by `train.py` (as in torchtitan and lingua): construct on the meta device,
+shard, `to_empty(device=...)`, then `init_weights(seed)`, so no rank ever holds the full model.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from configs import ConfigError
+
+Flavor = Literal["debug", "1B", "3B", "8B", "70B", "405B"]
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """Concrete shape of a Llama model (resolved from a flavor plus overrides)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500_000.0
+    rope_scaling: bool = False
+    """Llama 3.1 long-context frequency scaling (factor 8 for 8B+, 32 for 1B/3B)."""
+    rope_scaling_factor: float = 8.0
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        # Llama's SwiGLU sizing: 2/3 of 4*dim keeps the parameter count of a 4*dim GELU MLP,
+        # then an optional multiplier, rounded up to `multiple_of` for matmul-friendly shapes.
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+# The debug flavor is the shape other FSDP trainers use as their debug model, so throughput
+# numbers are comparable. The others are Meta's published Llama 3.x shapes.
+FLAVORS: dict[str, LlamaArgs] = {
+    "debug": LlamaArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048),
+    "1B": LlamaArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128_256,
+        ffn_dim_multiplier=1.5,
+        rope_scaling=True,
+        rope_scaling_factor=32.0,
+        tie_embeddings=True,
+        max_seq_len=131_072,
+    ),
+    "3B": LlamaArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        vocab_size=128_256,
+        ffn_dim_multiplier=1.0,
+        rope_scaling=True,
+        rope_scaling_factor=32.0,
+        tie_embeddings=True,
+        max_seq_len=131_072,
+    ),
+    "8B": LlamaArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128_256,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        rope_scaling=True,
+        max_seq_len=131_072,
+    ),
+    "70B": LlamaArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128_256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,
+        rope_scaling=True,
+        max_seq_len=131_072,
+    ),
+    "405B": LlamaArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=128_256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.2,
+        rope_scaling=True,
+        max_seq_len=131_072,
+    ),
+}
+
+
+@dataclass
+class ModelConfig:
+    flavor: Flavor = "debug"
+    """Named Llama 3 shape; the fields below override single dimensions of it."""
+    dim: int | None = None
+    """Hidden size (default: the flavor's)."""
+    n_layers: int | None = None
+    """Number of transformer blocks (default: the flavor's)."""
+    n_heads: int | None = None
+    """Attention heads (default: the flavor's)."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention (default: the flavor's)."""
+    vocab_size: int | None = None
+    """Embedding rows; must cover the dataset's tokenizer (default: the flavor's)."""
+    multiple_of: int | None = None
+    """FFN hidden size is rounded up to a multiple of this (default: the flavor's)."""
+    ffn_dim_multiplier: float | None = None
+    """Scales the FFN hidden size (default: the flavor's)."""
+    rope_theta: float | None = None
+    """RoPE base frequency (default: the flavor's, 500000)."""
+    rope_scaling: bool | None = None
+    """Llama 3.1 RoPE frequency scaling for long context (default: the flavor's)."""
+    tie_embeddings: bool | None = None
+    """Share the input embedding and output projection (default: the flavor's)."""
+    norm_eps: float | None = None
+    """RMSNorm epsilon (default: the flavor's)."""
+
+
+def build_args(cfg: ModelConfig) -> LlamaArgs:
+    """Resolve a flavor plus overrides to a concrete shape, rejecting impossible ones."""
+    overrides = {k: v for k, v in vars(cfg).items() if k != "flavor" and v is not None}
+    args = replace(FLAVORS[cfg.flavor], **overrides)
+    if args.dim % args.n_heads != 0:
+        raise ConfigError(f"model: dim={args.dim} is not divisible by n_heads={args.n_heads}")
+    if args.n_heads % args.n_kv_heads != 0:
+        raise ConfigError(
+            f"model: n_heads={args.n_heads} is not a multiple of n_kv_heads={args.n_kv_heads}"
+        )
+    if args.head_dim % 2 != 0:
+        raise ConfigError(f"model: head_dim={args.head_dim} must be even for RoPE")
+    for name in ("n_layers", "vocab_size", "multiple_of"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"model: {name} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def rope_frequencies(args: LlamaArgs, seq_len: int, device: torch.device | None) -> torch.Tensor:
+    """cos/sin table of shape (seq_len, head_dim // 2, 2) in float32."""
+    d = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d))
+    if args.rope_scaling:
+        # Llama 3.1: leave high frequencies alone, divide low ones by `factor`, and blend smoothly
+        # in between, so the model keeps local precision while reaching longer contexts.
+        low_freq_factor, high_freq_factor, old_context = 1.0, 4.0, 8192
+        wavelen = 2 * math.pi / freqs
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smooth = smooth.clamp(0.0, 1.0)
+        freqs = (1 - smooth) * freqs / args.rope_scaling_factor + smooth * freqs
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of each head: Meta's layout, not HF's halves.
+
+    x: (batch, seq, heads, head_dim); rope: (seq, head_dim // 2, 2).
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    cos, sin = rope[: x.shape[1], None, :, 0], rope[: x.shape[1], None, :, 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32: bf16 loses too much precision in the mean of squares.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        # SDPA wants (batch, heads, seq, head_dim); enable_gqa broadcasts the shared kv heads
+        # without materializing repeated copies.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        hidden = args.ffn_hidden_dim
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # SwiGLU
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A dict keyed by layer index keeps parameter names stable if layers are removed
+        # (e.g. split across pipeline stages), which keeps checkpoints portable.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: it is a function of the config, recomputed in init_weights, and must
+        # not appear in checkpoints. Sized for max_seq_len lazily (see forward) to save memory.
+        self.register_buffer("rope", torch.empty(0), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (batch, seq) int64 -> logits: (batch, seq, vocab)."""
+        if tokens.shape[1] > self.rope.shape[0]:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds the RoPE table "
+                f"({self.rope.shape[0]}); pass rope_len to init_weights"
+            )
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(
+        self,
+        seed: int = 0,
+        rope_len: int | None = None,
+        assign: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> None:
+        """Initialize every parameter from `seed` alone, identically on any mesh.
+
+        Each parameter draws its full (unsharded) value from its own generator, seeded by the
+        seed and the parameter's name, so the result depends neither on the order of
+        initialization nor on how the model is split. `assign(param, full_value)` stores the
+        value: by default a plain copy; a sharded trainer passes a function that keeps only the
+        local shard (see `parallel.fsdp.assign_local_shard`).
+        """
+        assign = assign or (lambda param, value: param.copy_(value))
+        args = self.args
+        for name, param in self.named_parameters():
+            value = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            key = _canonical_name(name)
+            gen = torch.Generator(device=value.device)
+            gen.manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
+            std = _init_std(key, args)
+            if std is None:  # RMSNorm gains start at 1
+                value.fill_(1.0)
+            elif key == "tok_embeddings.weight" and not args.tie_embeddings:
+                value.normal_(0.0, std, generator=gen)
+            else:
+                nn.init.trunc_normal_(value, 0.0, std, -3 * std, 3 * std, generator=gen)
+            assign(param, value.to(param.dtype))
+        self.rope = rope_frequencies(args, rope_len or args.max_seq_len, self.rope.device)
+
+
+def _canonical_name(name: str) -> str:
+    # Wrappers added around blocks (torch.compile, activation checkpointing) insert these
+    # segments into parameter names; the seed must not depend on them.
+    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _init_std(name: str, args: LlamaArgs) -> float | None:
+    """Standard deviation for a parameter, or None for RMSNorm gains (ones)."""
+    if name.endswith("norm.weight"):
+        return None
+    if name == "tok_embeddings.weight":
+        # Untied: unit-variance embeddings (the first RMSNorm rescales them). Tied: the output
+        # projection's scale, since the same matrix produces the logits.
+        return args.dim**-0.5 if args.tie_embeddings else 1.0
+    if name == "output.weight":
+        return args.dim**-0.5
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")):
+        # Depth-scaled init for projections that write into the residual stream keeps the
+        # residual variance from growing with the number of layers.
+        layer = int(name.split(".")[1])
+        return 0.02 / math.sqrt(2 * (layer + 1))
+    return 0.02
+
+
+def fsdp_units(model: Transformer) -> list[nn.Module]:
+    """Modules sharded as their own FSDP unit (all-gathered and freed one at a time).
+
+    The embeddings, final norm and output projection stay in the root unit.
+    """
+    return list(model.layers.values())
+
+
+def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Number of parameters (global, works on meta, sharded or plain models)."""
+    total = sum(p.numel() for p in model.parameters())
+    if exclude_embedding and isinstance(model, Transformer) and not model.args.tie_embeddings:
+        total -= model.tok_embeddings.weight.numel()
+    return total
+
+
+def flops_per_token(args: LlamaArgs, num_params_no_embedding: int, seq_len: int) -> int:
+    """Training FLOPs per token: 6·N for the matmuls (2 forward + 4 backward per weight)
+    plus the attention scores and values, 12·layers·dim·seq (2 matmuls × 2 flops × 3 for
+    forward+backward). Like PaLM and torchtitan we count the full, not causally halved,
+    attention matrix, so MFU numbers compare with theirs.
+    """
+    return 6 * num_params_no_embedding + 12 * args.n_layers * args.dim * seq_len
