@@ -1,0 +1,117 @@
+"""Parallel degrees: what the user asked for, checked against what torchrun started.
+
+Everything here is pure arithmetic on environment numbers, so a wrong mesh is reported by
+every rank *before* any process group exists and nothing can hang.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from configs import ConfigError
+
+
+@dataclass
+class ParallelConfig:
+    mesh: Literal["manual", "auto"] = "manual"
+    """'auto': HSDP with one replica per node when torchrun spans several nodes, else FSDP.
+    'manual': use dp_replicate and dp_shard as given."""
+    dp_replicate: int = 1
+    """Replica groups (HSDP: usually the number of nodes). 1 = plain FSDP. -1 = the remaining
+    ranks (then dp_shard must be given)."""
+    dp_shard: int = -1
+    """Ranks each replica is sharded over (usually GPUs per node). -1 = the remaining ranks."""
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """'always' frees gathered parameters after forward (ZeRO-3, least memory); 'never' keeps
+    them until backward (ZeRO-2 style, one all-gather fewer per block); 'default' frees them
+    except for the last block, whose backward starts right away."""
+    param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of all-gathered parameters and compute. float32 gives exact cross-mesh parity."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of gradient reduce-scatter / all-reduce."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy)."""
+    forward_prefetch: int = 0
+    """Blocks to all-gather ahead in forward, set explicitly. 0 = FSDP's implicit prefetch."""
+    backward_prefetch: int = 0
+    """Blocks to all-gather ahead in backward, set explicitly. 0 = FSDP's implicit prefetch."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """'auto' = CUDA with NCCL when a GPU is visible, else CPU with gloo."""
+    timeout_s: int = 600
+    """Process-group timeout: a collective that waits longer fails instead of hanging."""
+
+    def __post_init__(self) -> None:
+        if self.mesh == "auto" and (self.dp_replicate != 1 or self.dp_shard != -1):
+            raise ConfigError(
+                "parallel: mesh='auto' chooses dp_replicate and dp_shard itself; "
+                f"got dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard} "
+                "(drop them or set parallel.mesh='manual')"
+            )
+        if any(d < 1 and d != -1 for d in (self.dp_replicate, self.dp_shard)) or (
+            self.dp_replicate == -1 and self.dp_shard == -1
+        ):
+            raise ConfigError(
+                f"parallel: dp_replicate={self.dp_replicate} and dp_shard={self.dp_shard} must "
+                "be >= 1, or -1 ('the remaining ranks') for at most one of them"
+            )
+        if self.forward_prefetch < 0 or self.backward_prefetch < 0 or self.timeout_s < 1:
+            raise ConfigError("parallel: prefetch depths must be >= 0 and timeout_s >= 1")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What torchrun (or a plain `python train.py`) tells this process."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    num_nodes: int
+
+    @classmethod
+    def from_env(cls) -> LaunchEnv:
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        # GROUP_WORLD_SIZE is torchrun's number of agents, i.e. nodes.
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
+        return cls(
+            rank=int(os.environ.get("RANK", 0)),
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+            world_size=world,
+            local_world_size=local_world,
+            num_nodes=nodes,
+        )
+
+
+def resolve_dims(cfg: ParallelConfig, env: LaunchEnv) -> tuple[int, int]:
+    """Return (dp_replicate, dp_shard) for this launch, or raise ConfigError."""
+    if cfg.mesh == "auto":
+        if env.local_world_size * env.num_nodes != env.world_size:
+            raise ConfigError(
+                f"parallel.mesh='auto': nodes run different numbers of ranks "
+                f"(WORLD_SIZE={env.world_size}, {env.num_nodes} nodes, this node "
+                f"LOCAL_WORLD_SIZE={env.local_world_size}); an HSDP mesh needs the same number "
+                "of ranks on every node: start the same --nproc-per-node everywhere, or set "
+                "parallel.mesh='manual'"
+            )
+        if env.num_nodes > 1:
+            return env.num_nodes, env.local_world_size
+        return 1, env.world_size
+    rep, shard = cfg.dp_replicate, cfg.dp_shard
+    if shard == -1:
+        shard = max(1, env.world_size // rep)
+    if rep == -1:
+        rep = max(1, env.world_size // shard)
+    if rep * shard != env.world_size:
+        raise ConfigError(
+            f"parallel: dp_replicate ({_show(cfg.dp_replicate, rep)}) x dp_shard "
+            f"({_show(cfg.dp_shard, shard)}) = {rep * shard} does not equal the world size "
+            f"({env.world_size} ranks: {env.num_nodes} node(s) x {env.local_world_size})"
+        )
+    return rep, shard
+
+
+def _show(given: int, resolved: int) -> str:
+    return f"-1 -> {resolved}" if given == -1 else str(given)

@@ -1,0 +1,175 @@
+"""Throughput, MFU and memory, logged on rank 0 and to TensorBoard."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Dense peak TFLOP/s per device (no sparsity), from the vendors' data sheets.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "A100": {"bf16": 312.0},
+    "H100 PCIe": {"bf16": 756.0, "fp8": 1513.0},
+    "H100": {"bf16": 989.0, "fp8": 1979.0},  # SXM / HBM3
+    "H200": {"bf16": 989.0, "fp8": 1979.0},
+    "B200": {"bf16": 2250.0, "fp8": 4500.0},
+}
+
+
+@dataclass
+class MetricsConfig:
+    log_interval: int = 10
+    """Log a line on rank 0 (and TensorBoard scalars) every this many steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under <run dir>/tensorboard."""
+    warmup_steps: int = 3
+    """First steps left out of throughput averages (lazy init, allocator warm-up, compile)."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s per device for MFU; default: looked up for known GPUs, none on CPU."""
+
+    def __post_init__(self) -> None:
+        from configs import ConfigError
+
+        if self.log_interval < 1 or self.warmup_steps < 0:
+            raise ConfigError("metrics: log_interval must be >= 1 and warmup_steps >= 0")
+
+
+def peak_tflops(device: torch.device, precision: str, override: float | None) -> float | None:
+    """Peak dense TFLOP/s of one device, or None when unknown (CPU, unlisted GPU)."""
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    # Longest match first so "H100 PCIe" wins over "H100".
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_TFLOPS[key].get(precision)
+    logger.warning("no peak FLOPs known for %r: set metrics.peak_tflops for MFU", name)
+    return None
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Peak memory of this process in GiB: CUDA allocator on GPU, resident set size on CPU."""
+    gib = 1024**3
+    if device.type == "cuda":
+        return {
+            "memory/max_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
+            "memory/max_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
+        }
+    # ru_maxrss is in KiB on Linux.
+    return {"memory/max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+@dataclass
+class ThroughputMeter:
+    """Accumulates step times and tokens between log lines, skipping warm-up steps."""
+
+    warmup_steps: int
+    world_size: int
+    flops_per_token: int
+    peak_tflops: float | None
+    _time: float = 0.0
+    _data_time: float = 0.0
+    _tokens: int = 0
+    _window: list[int] = field(default_factory=list)
+
+    def record(self, step: int, step_time: float, data_time: float, global_tokens: int) -> None:
+        if step <= self.warmup_steps:
+            return
+        self._time += step_time
+        self._data_time += data_time
+        self._tokens += global_tokens
+        self._window.append(step)
+
+    def summary(self) -> dict[str, float]:
+        """Averages over the steps since the last call; empty during warm-up."""
+        if not self._window or self._time <= 0:
+            return {}
+        tps = self._tokens / self._time
+        out = {
+            "throughput/tokens_per_second": tps,
+            "throughput/tokens_per_second_per_device": tps / self.world_size,
+            "throughput/tflops_per_device": self.flops_per_token * tps / self.world_size / 1e12,
+            "time/step_seconds": self._time / len(self._window),
+            "time/data_fraction": self._data_time / self._time,
+        }
+        if self.peak_tflops:
+            out["throughput/mfu_percent"] = (
+                100 * out["throughput/tflops_per_device"] / self.peak_tflops
+            )
+        self._time = self._data_time = 0.0
+        self._tokens = 0
+        self._window.clear()
+        return out
+
+
+class MetricsLogger:
+    """Rank-0 log lines and TensorBoard scalars. On other ranks every call is a no-op."""
+
+    def __init__(self, cfg: MetricsConfig, run_dir: Path, is_rank0: bool) -> None:
+        self.writer = None
+        self.is_rank0 = is_rank0
+        if is_rank0 and cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        if not self.is_rank0:
+            return
+        if self.writer is not None:
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, step)
+        logger.info("step %d  %s", step, format_scalars(scalars))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+_SHORT = {
+    "loss/train": ("loss", "{:.4f}"),
+    "loss/val": ("val_loss", "{:.4f}"),
+    "lr": ("lr", "{:.2e}"),
+    "grad_norm": ("grad_norm", "{:.3f}"),
+    "throughput/tokens_per_second": ("tok/s", "{:,.0f}"),
+    "throughput/tokens_per_second_per_device": ("tok/s/dev", "{:,.0f}"),
+    "throughput/tflops_per_device": ("tflops/dev", "{:.2f}"),
+    "throughput/mfu_percent": ("mfu", "{:.1f}%"),
+    "time/data_fraction": ("data", "{:.1%}"),
+    "memory/max_allocated_gib": ("mem", "{:.2f}GiB"),
+    "memory/max_rss_gib": ("rss", "{:.2f}GiB"),
+}
+
+
+def format_scalars(scalars: dict[str, float]) -> str:
+    parts = []
+    for name, (short, fmt) in _SHORT.items():
+        if name in scalars:
+            parts.append(f"{short} {fmt.format(scalars[name])}")
+    return "  ".join(parts)
+
+
+class Timer:
+    """Wall-clock seconds; synchronizes CUDA so GPU work is counted where it happens."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start = self._now()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self) -> float:
+        now = self._now()
+        elapsed, self.start = now - self.start, now
+        return elapsed

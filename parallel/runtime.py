@@ -1,0 +1,74 @@
+"""Process group, device and the 2D data-parallel DeviceMesh."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from configs import ConfigError
+from parallel.dims import LaunchEnv
+
+logger = logging.getLogger(__name__)
+
+
+def pick_device(requested: str, env: LaunchEnv) -> torch.device:
+    """CUDA (one GPU per local rank) when available or requested, else CPU. Never assumed."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
+    if env.local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"LOCAL_RANK={env.local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+            "start at most one process per GPU (--nproc-per-node)"
+        )
+    return torch.device("cuda", env.local_rank)
+
+
+def init_distributed(device: torch.device, env: LaunchEnv, timeout_s: int) -> None:
+    """Join the default process group: NCCL on GPUs, gloo on CPU.
+
+    A plain `python train.py` (no torchrun) gets a one-rank group on an in-memory store, so the
+    same FSDP code path runs everywhere and no port is needed.
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if env.world_size == 1 and not _launched_by_torchrun():
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    else:
+        # device_id binds NCCL to this GPU eagerly, so a wrong mapping fails here, not mid-step.
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
+
+
+def _launched_by_torchrun() -> bool:
+    return "MASTER_ADDR" in os.environ and "RANK" in os.environ
+
+
+def build_mesh(device: torch.device, dp_replicate: int, dp_shard: int) -> DeviceMesh:
+    """A 2D mesh (dp_replicate, dp_shard). Ranks of one replica are contiguous, so with
+    torchrun's rank order a shard group lies inside a node and only the gradient all-reduce
+    crosses nodes: that is HSDP's point."""
+    return init_device_mesh(
+        device.type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+    )
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh handed to fully_shard: 1D (FSDP) unless there are replicas (HSDP)."""
+    return mesh if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+
+
+def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
+    """This rank's index among all data-parallel ranks, replicas included."""
+    rep, shard = mesh["dp_replicate"], mesh["dp_shard"]
+    return rep.get_local_rank() * shard.size() + shard.get_local_rank(), rep.size() * shard.size()
