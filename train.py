@@ -1,0 +1,439 @@
+"""Train a Llama model with FSDP2 on a (dp_replicate, dp_shard) mesh.
+
+    torchrun --standalone --nproc-per-node=4 train.py configs/debug.toml --train.steps=100
+
+The whole run reads top to bottom in `train()`: process group -> mesh -> model on meta ->
+shard -> materialize and init -> optimizer and schedule -> data -> loop.
+Configuration is checked in `check_config()` on every rank before any process group exists,
+so a bad config is one error line on rank 0, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from configs import ConfigError, HelpRequested, config_to_toml, parse_config
+from data.loader import DataConfig, DatasetIndex, build_dataloader, open_dataset
+from model.llama import (
+    LlamaArgs,
+    ModelConfig,
+    Transformer,
+    build_args,
+    count_params,
+    flops_per_token,
+    fsdp_units,
+)
+from parallel.dims import LaunchEnv, ParallelConfig, resolve_dims
+from parallel.fsdp import apply_fsdp, assign_local_shard
+from parallel.metrics import (
+    MetricsConfig,
+    MetricsLogger,
+    ThroughputMeter,
+    Timer,
+    memory_stats,
+    peak_tflops,
+)
+from parallel.plan import estimate_memory
+from parallel.runtime import (
+    build_mesh,
+    dp_mesh,
+    dp_rank_and_size,
+    init_distributed,
+    pick_device,
+)
+
+logger = logging.getLogger("train")
+
+
+@dataclass
+class RunConfig:
+    name: str = "debug"
+    """Run name: outputs go to <output_dir>/<name>/."""
+    output_dir: str = "outputs"
+    """Parent directory of run directories."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-4
+    """Peak learning rate, reached at the end of warm-up."""
+    min_lr_ratio: float = 0.1
+    """The schedule decays to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = 20
+    """Steps of linear warm-up from lr / warmup_steps to lr."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the decay after warm-up."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, for matrices only (norm gains are never decayed)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+    """AdamW kernel: 'auto' = fused (one kernel for all parameters), the fastest everywhere."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
+            raise ConfigError(
+                f"optim: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0 "
+                f"(got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}, "
+                f"warmup_steps={self.warmup_steps})"
+            )
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps to run."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step over all ranks. Fixed across meshes, so a run's math does
+    not change with the number of GPUs."""
+    micro_batch_size: int = 8
+    """Sequences per rank per forward/backward; gradient accumulation makes up the rest."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping; the norm is still logged)."""
+    seed: int = 0
+    """Seeds weights and data order: the same seed gives the same run on any mesh."""
+    on_nonfinite: Literal["error", "skip"] = "error"
+    """A NaN/inf loss or gradient norm stops the run ('error') or skips that update ('skip')."""
+    eval_interval: int = 100
+    """Compute the validation loss every this many steps and at the end (0 = never)."""
+    eval_batches: int = 4
+    """Global batches of the validation split per evaluation."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms: bitwise repeatable kernels, somewhat slower."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch_size", "micro_batch_size", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_interval < 0 or self.max_grad_norm < 0:
+            raise ConfigError("train: eval_interval and max_grad_norm must be >= 0")
+
+
+@dataclass
+class JobConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    dry_run: bool = False
+    """Print the resolved config, mesh, parameter count and memory estimate, then exit."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything derived from the config and the launch, checked before training starts."""
+
+    args: LlamaArgs
+    dp_replicate: int
+    dp_shard: int
+    grad_accum_steps: int
+    dataset: DatasetIndex
+
+
+def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
+    """Cross-section checks. Every rank runs them on the same inputs, so every rank raises the
+    same ConfigError and exits before a collective could wait on a missing peer."""
+    args = build_args(job.model)
+    dp_replicate, dp_shard = resolve_dims(job.parallel, env)
+    dp = dp_replicate * dp_shard
+    t = job.train
+    if t.global_batch_size % (t.micro_batch_size * dp) != 0:
+        raise ConfigError(
+            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({dp})"
+        )
+    dataset = open_dataset(job.data.path)
+    if dataset.vocab_size > args.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({args.vocab_size}) is smaller than the dataset's tokenizer "
+            f"vocabulary ({dataset.vocab_size}, {job.data.path}): set model.vocab_size"
+        )
+    if job.data.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len ({job.data.seq_len}) exceeds the model's max_seq_len "
+            f"({args.max_seq_len})"
+        )
+    if t.eval_interval > 0 and dataset.num_tokens("val") == 0:
+        raise ConfigError(
+            f"train.eval_interval={t.eval_interval} but {job.data.path} has no validation "
+            "split: prepare it with --val-fraction > 0, or set train.eval_interval=0"
+        )
+    if job.parallel.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
+    return Plan(
+        args, dp_replicate, dp_shard, t.global_batch_size // (t.micro_batch_size * dp), dataset
+    )
+
+
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device
+) -> torch.optim.Optimizer:
+    # Decay matrices only: decaying RMSNorm gains toward 0 fights the normalization.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    impl = "fused" if cfg.implementation == "auto" else cfg.implementation
+    kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}}.get(impl, {"foreach": False})
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel
+    )
+
+
+def lr_lambda(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
+    """Multiplier of the peak lr after `step` optimizer steps (LambdaLR convention)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.decay == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.decay == "cosine" else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def summed_loss(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """Summed (not averaged) cross-entropy, in float32 for a stable log-softmax."""
+    logits = model(inputs)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
+def train(job: JobConfig, plan: Plan, env: LaunchEnv) -> list[float]:
+    """Run training; returns the global training loss of every step."""
+    device = pick_device(job.parallel.device, env)
+    init_distributed(device, env, job.parallel.timeout_s)
+    try:
+        return _train(job, plan, env, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> list[float]:
+    t = job.train
+    torch.manual_seed(t.seed)
+    torch.use_deterministic_algorithms(t.deterministic)
+    mesh = build_mesh(device, plan.dp_replicate, plan.dp_shard)
+    dp_rank, dp_size = dp_rank_and_size(mesh)
+    is_rank0 = env.rank == 0
+    run_dir = Path(job.run.output_dir) / job.run.name
+    if is_rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(config_to_toml(job))
+        logger.info("mesh %s on %s, grad accumulation %d", mesh, device, plan.grad_accum_steps)
+
+    # Model: build on meta (no memory), shard, then allocate only this rank's shards and
+    # initialize them. Each block is its own FSDP unit; see parallel/fsdp.py.
+    with torch.device("meta"):
+        model = Transformer(plan.args)
+    apply_fsdp(model, fsdp_units(model), dp_mesh(mesh), job.parallel)
+    model.to_empty(device=device)
+    model.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
+    n_params = count_params(model)
+    if is_rank0:
+        logger.info("model %s: %s parameters", job.model.flavor, f"{n_params:,}")
+
+    optimizer = build_optimizer(model, job.optim, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_lambda(step, job.optim, t.steps)
+    )
+    loader = build_dataloader(
+        job.data,
+        "train",
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        micro_batch_size=t.micro_batch_size,
+        seed=t.seed,
+        index=plan.dataset,
+    )
+    batches = iter(loader)
+
+    metrics = MetricsLogger(job.metrics, run_dir, is_rank0)
+    tokens_per_step = t.global_batch_size * job.data.seq_len
+    flops = flops_per_token(
+        plan.args, count_params(model, exclude_embedding=True), job.data.seq_len
+    )
+    precision = "bf16" if job.parallel.param_dtype == "bfloat16" else "fp32"
+    meter = ThroughputMeter(
+        job.metrics.warmup_steps,
+        env.world_size,
+        flops,
+        peak_tflops(device, precision, job.metrics.peak_tflops),
+    )
+    losses: list[float] = []
+    timer = Timer(device)
+
+    for step in range(1, t.steps + 1):
+        # All micro-batches up front: their target count fixes the loss normalization.
+        micro_batches = [next(batches) for _ in range(plan.grad_accum_steps)]
+        micro_batches = [(x.to(device), y.to(device)) for x, y in micro_batches]
+        data_time = timer.lap()
+        # Normalize by the *global* number of target tokens of the step, so the loss and the
+        # gradients are the same for any micro-batching and any mesh shape.
+        global_tokens = sum((y != -100).sum() for _, y in micro_batches).float()
+        dist.all_reduce(global_tokens)
+
+        loss_sum = torch.zeros((), device=device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            # Reduce-scatter (and the HSDP all-reduce) only after the last micro-batch;
+            # earlier ones accumulate unsharded gradients locally, with no communication.
+            model.set_requires_gradient_sync(i == plan.grad_accum_steps - 1)
+            loss = summed_loss(model, inputs, targets) / global_tokens
+            # FSDP averages gradients over the dp ranks; our loss is already a global mean,
+            # so scale by dp_size to turn that average into the sum we want.
+            (loss * dp_size).backward()
+            loss_sum += loss.detach()
+
+        grad_norm = clip_grad_norm(model, t.max_grad_norm)
+        dist.all_reduce(loss_sum)
+        loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
+        if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
+            optimizer.step()
+        elif t.on_nonfinite == "error":
+            raise NonFiniteError(
+                f"step {step}: loss {loss_value}, grad norm {grad_norm_value}; stopping "
+                "(set train.on_nonfinite='skip' to skip such steps instead)"
+            )
+        elif is_rank0:
+            logger.warning("step %d: non-finite loss/grad norm, update skipped", step)
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        losses.append(loss_value)
+        meter.record(step, timer.lap() + data_time, data_time, tokens_per_step)
+
+        if step % job.metrics.log_interval == 0 or step == t.steps:
+            scalars = {"loss/train": loss_value, "lr": lr, "grad_norm": grad_norm_value}
+            metrics.log(step, scalars | meter.summary() | memory_stats(device))
+        if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
+            val_loss = evaluate(model, job, plan, dp_rank, dp_size, device)
+            metrics.log(step, {"loss/val": val_loss})
+            timer.lap()  # evaluation time is not training throughput
+    metrics.close()
+    return losses
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip by the true global norm: the norm of DTensor gradients reduces over all shards
+    (and is the same on every replica), unlike a norm of the local shard."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    if hasattr(norm, "full_tensor"):  # a DTensor: materialize the reduced value
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    job: JobConfig,
+    plan: Plan,
+    dp_rank: int,
+    dp_size: int,
+    device: torch.device,
+) -> float:
+    """Mean loss over the first eval_batches global batches of the validation split."""
+    loader = build_dataloader(
+        job.data,
+        "val",
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        micro_batch_size=job.train.micro_batch_size,
+        seed=job.train.seed,
+        index=plan.dataset,
+    )
+    totals = torch.zeros(2, device=device)
+    batches = iter(loader)
+    for _ in range(job.train.eval_batches * plan.grad_accum_steps):
+        inputs, targets = (x.to(device) for x in next(batches))
+        totals[0] += summed_loss(model, inputs, targets)
+        totals[1] += (targets != -100).sum()
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
+    with torch.device("meta"):
+        model = Transformer(plan.args)
+    n_params = count_params(model)
+    mem = estimate_memory(
+        plan.args,
+        n_params,
+        plan.dp_shard,
+        job.train.micro_batch_size,
+        job.data.seq_len,
+        job.parallel.param_dtype,
+    )
+    print(config_to_toml(job))
+    print(
+        f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard} "
+        f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
+    )
+    print(f"# parameters: {n_params:,}")
+    print(
+        "# estimated memory per rank: "
+        + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in mem.items())
+    )
+
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    env = LaunchEnv.from_env()
+    setup_logging(env.rank)
+    try:
+        job = parse_config(JobConfig, sys.argv[1:] if argv is None else argv)
+        plan = check_config(job, env)
+    except HelpRequested as help_request:
+        if env.rank == 0:
+            print(help_request.text)
+        return 0
+    except ConfigError as err:
+        if env.rank == 0:
+            logger.error("config error: %s", err)
+        return 2
+    if job.dry_run:
+        if env.rank == 0:
+            dry_run(job, plan, env)
+        return 0
+    try:
+        train(job, plan, env)
+    except NonFiniteError as err:
+        if env.rank == 0:
+            logger.error("%s", err)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
