@@ -153,6 +153,9 @@ def build_args(cfg: ModelConfig) -> LlamaArgs:
     """Resolve a flavor plus overrides to a concrete shape, rejecting impossible ones."""
     overrides = {k: v for k, v in vars(cfg).items() if k != "flavor" and v is not None}
     args = replace(FLAVORS[cfg.flavor], **overrides)
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"model: {name} must be >= 1, got {getattr(args, name)}")
     if args.dim % args.n_heads != 0:
         raise ConfigError(f"model: dim={args.dim} is not divisible by n_heads={args.n_heads}")
     if args.n_heads % args.n_kv_heads != 0:
@@ -161,9 +164,6 @@ def build_args(cfg: ModelConfig) -> LlamaArgs:
         )
     if args.head_dim % 2 != 0:
         raise ConfigError(f"model: head_dim={args.head_dim} must be even for RoPE")
-    for name in ("n_layers", "vocab_size", "multiple_of"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"model: {name} must be >= 1, got {getattr(args, name)}")
     return args
 
 
