@@ -1,0 +1,153 @@
+"""The command line as users run it: bad input fails fast with one line, good input trains."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import train
+from tests.distributed import run_distributed
+from tests.test_train import TINY, train_losses
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def base_argv(dataset: str, tmp_path: Path) -> list[str]:
+    return [f"--data.path={dataset}", f"--run.output_dir={tmp_path}", *TINY]
+
+
+def run_cli(args: list[str], nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run train.py under torchrun, as a user would; a hang fails via the timeout."""
+    cmd = [*TORCHRUN, f"--nproc-per-node={nproc}", "train.py", *args]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("--parallel.dp_replicate=3", "dp_replicate (3) x dp_shard (-1 -> 1) = 3 does not equal"),
+        ("--parallel.dp_shard=3", "dp_replicate (1) x dp_shard (3) = 3 does not equal"),
+        ("--train.stpes=5", "did you mean 'train.steps'"),
+        ("--train.steps=abc", "train.steps: expected int, got 'abc'"),
+        ("--parallel.param_dtype=fp16", "bfloat16, float32"),
+        ("--train.global_batch_size=7", "global_batch_size (7) must be a multiple of"),
+        ("--model.vocab_size=100", "smaller than the dataset's tokenizer vocabulary (258"),
+        ("--model.n_heads=5", "not divisible by n_heads=5"),
+        ("--data.path=/nonexistent/ds", "python -m data.prepare --out /nonexistent/ds"),
+        ("--parallel.mesh=auto", None),  # valid: shown here as the control case
+    ],
+)
+def test_config_errors_are_one_line_before_any_collective(
+    tiny_dataset: str, tmp_path: Path, override: str, message: str | None, caplog
+) -> None:
+    """check_config runs on every rank before the process group: same input, same error."""
+    argv = [*base_argv(tiny_dataset, tmp_path), "--train.micro_batch_size=2", override]
+    os.environ.pop("WORLD_SIZE", None)  # this process is a 1-rank launch
+    with caplog.at_level(logging.ERROR, logger="train"):
+        if message is None:
+            assert train.main([*argv, "--dry-run"]) == 0
+            return
+        assert train.main(argv) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "\n" not in errors[0]
+    assert message in errors[0], errors[0]
+
+
+@pytest.mark.slow
+def test_bad_mesh_under_torchrun_exits_fast_and_reports_once(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    result = run_cli([*base_argv(tiny_dataset, tmp_path), "--parallel.dp_replicate=3"])
+    assert result.returncode != 0
+    assert result.stderr.count("config error:") == 1, result.stderr[-2000:]
+    assert "does not equal the world size (2 ranks" in result.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_train_log_and_write_tensorboard(tiny_dataset: str, tmp_path: Path) -> None:
+    args = [
+        *base_argv(tiny_dataset, tmp_path), "--run.name=e2e", "--metrics.tensorboard=true",
+        "--train.steps=6", "--train.micro_batch_size=2", "--metrics.log_interval=2",
+        "--metrics.warmup_steps=1", "--train.eval_interval=3",
+    ]  # fmt: skip
+    result = run_cli(args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = result.stderr
+    assert "[rank0]" in logs and "[rank1]" not in logs  # one voice
+    assert "step 6  loss" in logs and "tok/s" in logs and "val_loss" in logs
+
+    run_dir = tmp_path / "e2e"
+    written = tomllib.loads((run_dir / "config.toml").read_text())
+    assert written["train"]["steps"] == 6 and written["data"]["path"] == tiny_dataset
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ["loss/train", "loss/val", "lr", "grad_norm", "throughput/tokens_per_second",
+                "throughput/tokens_per_second_per_device", "throughput/tflops_per_device",
+                "memory/max_rss_gib", "time/data_fraction"]:  # fmt: skip
+        assert tag in tags, f"{tag} missing from {sorted(tags)}"
+    assert "throughput/mfu_percent" not in tags  # no peak FLOPs on CPU unless configured
+    losses = [e.value for e in events.Scalars("loss/train")]
+    assert [e.step for e in events.Scalars("loss/train")] == [2, 4, 6]
+    assert all(math.isfinite(v) for v in losses)
+
+
+def test_dry_run_prints_plan_and_trains_nothing(tiny_dataset: str, tmp_path: Path) -> None:
+    args = [
+        *base_argv(tiny_dataset, tmp_path),
+        "--run.name=dry",
+        "--dry-run",
+        "--train.micro_batch_size=1",
+    ]
+    env = os.environ | {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2"}
+    result = subprocess.run(
+        [sys.executable, "train.py", *args, "--parallel.mesh=auto", "--metrics.peak_tflops=100"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "dp_replicate=2 x dp_shard=4 (world size 8)" in out
+    assert "# parameters:" in out and "estimated memory per rank" in out
+    assert tomllib.loads(out)["parallel"]["mesh"] == "auto"  # the resolved config is TOML
+    assert not (tmp_path / "dry").exists()
+
+
+def test_help_lists_every_section(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0
+    for key in ["--parallel.dp_shard", "--train.global_batch_size", "--data.seq_len",
+                "--model.flavor", "--optim.lr", "--metrics.peak_tflops"]:  # fmt: skip
+        assert key in result.stdout
+
+
+def test_nonfinite_loss_stops_with_the_step_or_is_skipped(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    # A huge lr without clipping blows the weights up in the first update; the second step's
+    # gradient norm is then non-finite (its loss saturates at ln(vocab)).
+    argv = [
+        *base_argv(tiny_dataset, tmp_path), "--train.micro_batch_size=4", "--train.steps=4",
+        "--optim.lr=1e30", "--optim.warmup_steps=0", "--train.max_grad_norm=0",
+    ]  # fmt: skip
+    with pytest.raises(
+        AssertionError, match=r"NonFiniteError: step 2: loss .* grad norm (nan|inf)"
+    ):
+        run_distributed(train_losses, 2, argv)
+    losses = run_distributed(train_losses, 2, [*argv, "--train.on_nonfinite=skip"])[0]
+    # Skipped updates leave the weights as they were, so the later losses cannot move.
+    assert len(losses) == 4 and losses[1] == losses[2] == losses[3] != losses[0]
