@@ -193,9 +193,7 @@ def build_optimizer(
     ]
     impl = "fused" if cfg.implementation == "auto" else cfg.implementation
     kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}}.get(impl, {"foreach": False})
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel
-    )
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
 
 
 def lr_lambda(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
@@ -394,10 +392,8 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
     print(f"# parameters: {n_params:,}")
-    print(
-        "# estimated memory per rank: "
-        + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in mem.items())
-    )
+    parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in mem.items())
+    print(f"# estimated memory per rank: {sum(mem.values()) / 2**30:.1f} GiB ({parts} GiB)")
 
 
 def setup_logging(rank: int) -> None:

@@ -151,3 +151,26 @@ def test_nonfinite_loss_stops_with_the_step_or_is_skipped(
     losses = run_distributed(train_losses, 2, [*argv, "--train.on_nonfinite=skip"])[0]
     # Skipped updates leave the weights as they were, so the later losses cannot move.
     assert len(losses) == 4 and losses[1] == losses[2] == losses[3] != losses[0]
+
+
+@pytest.mark.parametrize(
+    ("config", "nodes", "per_node", "mesh"),
+    [
+        ("configs/debug.toml", 1, 4, "dp_replicate=1 x dp_shard=4"),
+        ("configs/llama3_8b.toml", 2, 8, "dp_replicate=2 x dp_shard=8"),
+        ("configs/llama3_70b.toml", 16, 8, "dp_replicate=4 x dp_shard=32"),
+    ],
+)
+def test_shipped_configs_resolve_on_their_intended_clusters(
+    tiny_dataset: str, config: str, nodes: int, per_node: int, mesh: str
+) -> None:
+    world = nodes * per_node
+    env = os.environ | {
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(per_node), "GROUP_WORLD_SIZE": str(nodes),
+    }  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "train.py", config, f"--data.path={tiny_dataset}", "--dry-run"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert mesh in result.stdout

@@ -119,3 +119,40 @@ def test_golden_losses_debug_model(tiny_dataset: str, tmp_path: Path) -> None:
     assert golden["argv"] == argv[2:], "the golden file was made with other settings"
     # Different CPUs sum matmuls in different orders; 20 steps amplify that to ~1e-5.
     assert_close(losses, golden["losses"], rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--parallel.reshard_after_forward=always"],
+        ["--parallel.reshard_after_forward=never"],
+        ["--parallel.forward_prefetch=2", "--parallel.backward_prefetch=2"],
+        ["--parallel.cpu_offload=true"],
+    ],
+    ids=["reshard-always", "reshard-never", "prefetch-2", "cpu-offload"],
+)
+def test_fsdp_options_do_not_change_the_math(
+    tiny_dataset: str, tmp_path: Path, options: list[str]
+) -> None:
+    """Resharding policy, explicit prefetch and CPU offload move memory and communication
+    around; the losses must stay those of the default FSDP run."""
+    steps = ["--train.steps=4", "--train.micro_batch_size=4"]
+    default = run(tiny_dataset, tmp_path, 2, 1, FP32 + steps)
+    changed = run(tiny_dataset, tmp_path, 2, 1, FP32 + steps + options)
+    assert_close(changed, default, rtol=1e-6)
+
+
+def test_lr_schedule_warmup_then_decay_to_minimum() -> None:
+    from train import OptimizerConfig, lr_lambda
+
+    cfg = OptimizerConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, decay="cosine")
+    lrs = [lr_lambda(s, cfg, total_steps=14) for s in range(14)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warm-up reaches the peak
+    assert lrs[4] == pytest.approx(1.0, abs=0.03)  # cosine starts flat at the peak
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:], strict=False))
+    assert lr_lambda(14, cfg, 14) == pytest.approx(0.1)  # ends at min_lr_ratio
+    linear = OptimizerConfig(warmup_steps=0, min_lr_ratio=0.0, decay="linear")
+    assert lr_lambda(5, linear, 10) == pytest.approx(0.5)
+    constant = OptimizerConfig(warmup_steps=2, decay="constant")
+    assert [lr_lambda(s, constant, 10) for s in (0, 1, 5, 9)] == [0.5, 1.0, 1.0, 1.0]
