@@ -304,6 +304,10 @@ class Transformer(nn.Module):
         """
         assign = assign or (lambda param, value: param.copy_(value))
         args = self.args
+        if args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # nn.Module.to_empty() gives each module its own copy of a shared parameter (FSDP2's
+            # keeps the tie): share it again, or the output projection would train separately.
+            self.output.weight = self.tok_embeddings.weight
         for name, param in self.named_parameters():
             value = torch.empty(param.shape, dtype=torch.float32, device=param.device)
             key = _canonical_name(name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -421,3 +422,13 @@ def test_model_package_does_not_import_torch_distributed() -> None:
                     ]
     assert REPO / "model" / "llama.py" in seen
     assert REPO / "configs" / "__init__.py" in seen
+
+
+def test_tie_survives_meta_build_and_to_empty() -> None:
+    args = replace(FLAVORS["debug"], dim=32, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=64,
+                   tie_embeddings=True)  # fmt: skip
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0, rope_len=8)
+    assert model.output.weight is model.tok_embeddings.weight
