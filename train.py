@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node=4 train.py configs/debug.toml --train.steps=100
 
 The whole run reads top to bottom in `train()`: process group -> mesh -> model on meta ->
-shard -> materialize and init -> optimizer and schedule -> data -> loop.
+shard -> materialize and init -> optimizer and schedule -> data -> resume -> loop and save.
 Configuration is checked in `check_config()` on every rank before any process group exists,
 so a bad config is one error line on rank 0, never a hang.
 """
@@ -21,6 +21,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    ResumePoint,
+    TrainState,
+    build_states,
+    check_resume,
+    checkpoint_folder,
+)
 from configs import ConfigError, HelpRequested, config_to_toml, parse_config
 from data.loader import DataConfig, DatasetIndex, build_dataloader, open_dataset
 from model.llama import (
@@ -131,6 +140,7 @@ class JobConfig:
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dry_run: bool = False
     """Print the resolved config, mesh, parameter count and memory estimate, then exit."""
 
@@ -144,6 +154,7 @@ class Plan:
     dp_shard: int
     grad_accum_steps: int
     dataset: DatasetIndex
+    resume: ResumePoint | None
 
 
 def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
@@ -176,9 +187,20 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         )
     if job.parallel.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
-    return Plan(
-        args, dp_replicate, dp_shard, t.global_batch_size // (t.micro_batch_size * dp), dataset
+    # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
+    # or unwritable path) surface here too, before anything could hang on them.
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    resume = check_resume(
+        job.checkpoint,
+        Path(job.run.output_dir) / job.run.name,
+        shapes,
+        positions_per_micro_step=t.micro_batch_size * dp,
+        is_rank0=env.rank == 0,
+        create_folder=not job.dry_run,
     )
+    accum = t.global_batch_size // (t.micro_batch_size * dp)
+    return Plan(args, dp_replicate, dp_shard, accum, dataset, resume)
 
 
 def build_optimizer(
@@ -220,7 +242,8 @@ def summed_loss(
 
 
 def train(job: JobConfig, plan: Plan, env: LaunchEnv) -> list[float]:
-    """Run training; returns the global training loss of every step."""
+    """Run training; returns the global training loss of every step it ran (after a resume,
+    only those after the checkpoint's step)."""
     device = pick_device(job.parallel.device, env)
     init_distributed(device, env, job.parallel.timeout_s)
     try:
@@ -237,9 +260,10 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
     dp_rank, dp_size = dp_rank_and_size(mesh)
     is_rank0 = env.rank == 0
     run_dir = Path(job.run.output_dir) / job.run.name
+    config_toml = config_to_toml(job)
     if is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(config_to_toml(job))
+        (run_dir / "config.toml").write_text(config_toml)
         logger.info("mesh %s on %s, grad accumulation %d", mesh, device, plan.grad_accum_steps)
 
     # Model: build on meta (no memory), shard, then allocate only this rank's shards and
@@ -266,7 +290,18 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
         seed=t.seed,
         index=plan.dataset,
     )
+
+    # Resume: everything that changes during training is a Stateful in one dict, loaded in
+    # place before the loader is iterated (DCP reshards it onto this mesh).
+    progress = TrainState()
+    states = build_states(model, optimizer, scheduler, loader, progress, config_toml)
+    checkpointer = Checkpointer(
+        job.checkpoint, checkpoint_folder(job.checkpoint, run_dir), is_rank0
+    )
+    checkpointer.load(states, plan.resume)
     batches = iter(loader)
+    if is_rank0 and progress.step >= t.steps:
+        logger.info("resumed at step %d of train.steps=%d: nothing to do", progress.step, t.steps)
 
     metrics = MetricsLogger(job.metrics, run_dir, is_rank0)
     tokens_per_step = t.global_batch_size * job.data.seq_len
@@ -283,7 +318,7 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
     losses: list[float] = []
     timer = Timer(device)
 
-    for step in range(1, t.steps + 1):
+    for step in range(progress.step + 1, t.steps + 1):
         # All micro-batches up front: their target count fixes the loss normalization.
         micro_batches = [next(batches) for _ in range(plan.grad_accum_steps)]
         micro_batches = [(x.to(device), y.to(device)) for x, y in micro_batches]
@@ -320,7 +355,11 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         losses.append(loss_value)
-        meter.record(step, timer.lap() + data_time, data_time, tokens_per_step)
+        progress.step = step
+        progress.samples_seen += t.global_batch_size
+        progress.tokens_seen += tokens_per_step
+        # Steps since this process started: the first ones after a resume warm up too.
+        meter.record(len(losses), timer.lap() + data_time, data_time, tokens_per_step)
 
         if step % job.metrics.log_interval == 0 or step == t.steps:
             scalars = {"loss/train": loss_value, "lr": lr, "grad_norm": grad_norm_value}
@@ -329,6 +368,10 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
             val_loss = evaluate(model, job, plan, dp_rank, dp_size, device)
             metrics.log(step, {"loss/val": val_loss})
             timer.lap()  # evaluation time is not training throughput
+        # After the optimizer step, so the checkpoint of step N holds N updates.
+        if checkpointer.maybe_save(step, states, last=step == t.steps):
+            timer.lap()  # nor is saving: its time is logged on its own line
+    checkpointer.wait()  # an async save still in flight must finish before the group goes
     metrics.close()
     return losses
 
@@ -392,6 +435,8 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
     print(f"# parameters: {n_params:,}")
+    if plan.resume is not None:
+        print(f"# resume: {plan.resume.path} (step {plan.resume.step})")
     parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in mem.items())
     print(f"# estimated memory per rank: {sum(mem.values()) / 2**30:.1f} GiB ({parts} GiB)")
 

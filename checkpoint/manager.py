@@ -1,0 +1,359 @@
+"""Distributed checkpoints: save every N steps, resume from the latest complete one, on any mesh.
+
+Layout: the checkpoint of step N is the DCP directory `<run dir>/checkpoints/step-<N>/` (see
+`checkpoint/state.py` for its keys). It counts only once the marker file `COMPLETE` exists:
+rank 0 writes it after DCP finished on every rank, so a crash or `kill -9` mid-save leaves a
+directory without the marker, which resuming skips, and the previous checkpoint intact.
+
+Two halves:
+- `check_resume` runs in `check_config`, on every rank, before the process group exists: it
+  finds the checkpoint to resume and rejects one that cannot work (wrong model shapes, a data
+  position the new mesh cannot continue, a missing path, an unwritable folder) as ConfigError.
+- `Checkpointer` runs in the training loop: loads the resume point, saves when due (in the
+  background with `async_mode = "async"`), writes the marker, deletes old checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from configs import ConfigError
+
+logger = logging.getLogger(__name__)
+
+COMPLETE = "COMPLETE"
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0
+    """Save every this many steps, and at the last step (0 = never save)."""
+    keep_last: int = 3
+    """Keep this many newest complete checkpoints; older ones are deleted only after a newer one
+    is complete (0 = keep all)."""
+    async_mode: Literal["off", "async"] = "off"
+    """'async': dcp.async_save writes in the background while training continues (one save in
+    flight at most, CPU memory for a copy of the state); 'off': training waits for the save."""
+    resume: str = "auto"
+    """'auto' = the latest complete checkpoint of this run, or a fresh start if there is none;
+    a path to a step-N directory; 'none' = always start fresh."""
+    load_model_only: bool = False
+    """Start a new run from the weights of checkpoint.resume (a path): step 0, a fresh optimizer
+    and schedule, data from the start of the stream."""
+    export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the weights written by the Hugging Face export tool."""
+    folder: str = "checkpoints"
+    """Where step-N directories go: relative to the run directory, or an absolute path."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 0 or self.keep_last < 0:
+            raise ConfigError(
+                f"checkpoint: interval ({self.interval}) and keep_last ({self.keep_last}) "
+                "must be >= 0"
+            )
+        if self.load_model_only and self.resume in ("auto", "none"):
+            raise ConfigError(
+                f"checkpoint.load_model_only needs checkpoint.resume=<path to a step-N "
+                f"directory>, got resume='{self.resume}'"
+            )
+
+
+# ---- layout ---------------------------------------------------------------------------------
+
+
+def checkpoint_folder(cfg: CheckpointConfig, run_dir: Path) -> Path:
+    return run_dir / cfg.folder  # an absolute cfg.folder replaces run_dir
+
+
+def step_dir(folder: Path, step: int) -> Path:
+    return folder / f"step-{step}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file()
+
+
+def list_step_dirs(folder: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every step-N directory, complete or not, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.fullmatch(p.name))]
+    return sorted(found)
+
+
+def latest_complete(folder: Path, warn: bool = False) -> Path | None:
+    """The newest step directory with the COMPLETE marker; `warn` logs each newer partial one."""
+    for _, path in reversed(list_step_dirs(folder)):
+        if is_complete(path):
+            return path
+        if warn:
+            logger.warning(
+                "checkpoint: skipping %s: no %s marker (a save that did not finish)", path, COMPLETE
+            )
+    return None
+
+
+# ---- checks before the process group exists ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    path: Path
+    step: int
+    """Optimizer steps done in the checkpoint (0 with load_model_only: the run starts over)."""
+    model_only: bool
+
+
+def check_resume(
+    cfg: CheckpointConfig,
+    run_dir: Path,
+    model_shapes: dict[str, tuple[int, ...]],
+    positions_per_micro_step: int,
+    *,
+    is_rank0: bool,
+    create_folder: bool,
+) -> ResumePoint | None:
+    """Find the checkpoint to resume from and check it fits this run; ConfigError if not.
+
+    Only reads files (and, with create_folder and saving on, creates the checkpoint folder):
+    every rank runs it on the same inputs before any collective, so all fail alike.
+    `model_shapes`: parameter FQN -> shape of this run's model (built on meta).
+    `positions_per_micro_step`: dp_size * micro_batch_size, which must divide the checkpoint's
+    data position for the loader to continue the global stream exactly.
+    """
+    folder = checkpoint_folder(cfg, run_dir)
+    if cfg.interval > 0 and create_folder:
+        _check_writable(folder)
+    if cfg.resume == "none":
+        return None
+    if cfg.resume == "auto":
+        path = latest_complete(folder, warn=is_rank0)
+        if path is None:
+            return None
+    else:
+        path = _check_resume_path(Path(cfg.resume))
+    _check_model(path, model_shapes)
+    if cfg.load_model_only:
+        return ResumePoint(path, 0, model_only=True)
+    progress = {"train": {"step": 0, "samples_seen": 0}}
+    with warnings.catch_warnings():  # DCP warns that no_dist means one process: intended
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.load(progress, checkpoint_id=path, no_dist=True)  # two integers, on every rank
+    step, samples = progress["train"]["step"], progress["train"]["samples_seen"]
+    if samples % positions_per_micro_step:
+        raise ConfigError(
+            f"checkpoint {path}: it has consumed {samples} samples of the global data stream, "
+            f"which dp_size x micro_batch_size = {positions_per_micro_step} does not divide, so "
+            "the loader cannot continue the stream exactly; choose a mesh and "
+            "train.micro_batch_size whose product divides it (keeping the checkpoint's "
+            "train.global_batch_size always works), or checkpoint.resume=none to start over"
+        )
+    return ResumePoint(path, step, model_only=False)
+
+
+def _check_writable(folder: Path) -> None:
+    """Fail now, not at the first save hours later."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"  # per process: ranks probe concurrently
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"checkpoint folder {folder} is not writable ({err.strerror or err}): set "
+            "checkpoint.folder or run.output_dir, or checkpoint.interval=0 to not save"
+        ) from err
+
+
+def _check_resume_path(path: Path) -> Path:
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint.resume: {path} does not exist or is not a directory")
+    if not is_complete(path):
+        if latest := latest_complete(path):
+            hint = f"; it is a folder of checkpoints, pass one of them, e.g. {latest}"
+        else:
+            hint = " (a save that did not finish, or not a checkpoint)"
+        raise ConfigError(f"checkpoint.resume: {path} has no {COMPLETE} marker{hint}")
+    return path
+
+
+def _check_model(path: Path, expected: dict[str, tuple[int, ...]]) -> None:
+    """Compare the checkpoint's model entries (from its metadata) with this run's model."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    saved = {
+        key.removeprefix("model."): tuple(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    missing = [f"missing {k} {list(v)}" for k, v in expected.items() if k not in saved]
+    unexpected = [f"unexpected {k} {list(v)}" for k, v in saved.items() if k not in expected]
+    shapes = [
+        f"{k}: checkpoint {list(saved[k])} vs model {list(v)}"
+        for k, v in expected.items()
+        if k in saved and saved[k] != v
+    ]
+    problems = missing + unexpected + shapes
+    if problems:
+        counts = [(len(missing), "missing"), (len(unexpected), "unexpected")]
+        counts.append((len(shapes), "with another shape"))
+        summary = ", ".join(f"{n} {what}" for n, what in counts if n)
+        more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise ConfigError(
+            f"checkpoint {path} does not fit this model ({summary}: {'; '.join(problems[:10])}"
+            f"{more}); set the model.* keys it was trained with (see its config.toml), or "
+            "checkpoint.resume=none to start over"
+        )
+
+
+# ---- saving and loading during training ----------------------------------------------------
+
+
+@dataclass
+class _InFlight:
+    step: int
+    path: Path
+    future: Future
+    started: float
+    blocked: float  # seconds the training loop spent starting this save
+    finished: float | None = None  # set by a done-callback, in the thread that finishes
+
+
+class Checkpointer:
+    """Saves and loads the states dict of `checkpoint/state.py` for one run.
+
+    Call on every rank: saving and loading are collective. Rank 0 alone writes markers and
+    deletes old checkpoints.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, folder: Path, is_rank0: bool) -> None:
+        self.cfg, self.folder, self.is_rank0 = cfg, folder, is_rank0
+        self.in_flight: _InFlight | None = None
+        # The async save thread runs collectives (planning, the final gather) while training
+        # runs its own. On one group they would interleave and deadlock; a group of its own
+        # keeps them apart, and gloo gives DCP the CPU backend it needs even on NCCL runs.
+        self.group = None
+        if cfg.interval > 0 and cfg.async_mode == "async":
+            self.group = dist.new_group(backend="gloo")
+
+    def load(self, states: dict[str, Any], resume: ResumePoint | None) -> None:
+        """Load `resume` into `states` in place (DCP reshards onto this mesh); None: nothing."""
+        # Every rank chose on its own, from its view of the file system. A node that does not
+        # see the newest marker yet (NFS caching) would load another step: refuse, loudly.
+        choices: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(choices, None if resume is None else str(resume.path))
+        if len(set(choices)) > 1:
+            raise RuntimeError(f"ranks disagree on the checkpoint to resume: {choices}")
+        if resume is None:
+            return
+        start = time.perf_counter()
+        wanted = ["model"] if resume.model_only else [k for k in states if k != "config"]
+        dcp.load({k: states[k] for k in wanted}, checkpoint_id=resume.path)
+        if self.is_rank0:
+            what = "model weights only, starting at step 0" if resume.model_only else "all state"
+            logger.info(
+                "resumed from %s (%s, step %d) in %.3f s",
+                resume.path,
+                what,
+                resume.step,
+                time.perf_counter() - start,
+            )
+
+    def maybe_save(self, step: int, states: dict[str, Any], last: bool) -> bool:
+        """Save if `step` is due (returns whether it did); first finish an async save that is
+        done, without blocking on one that is not."""
+        if self.in_flight is not None and self.in_flight.future.done():
+            self._finish()
+        if not self.cfg.interval or (step % self.cfg.interval and not last):
+            return False
+        self.save(step, states)
+        return True
+
+    def save(self, step: int, states: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        self.wait()  # at most one save in flight: it holds a full CPU copy of the state
+        path = step_dir(self.folder, step)
+        if self.is_rank0:
+            # A directory left by an earlier attempt at this step must not look complete while
+            # it is being overwritten. No rank writes before DCP's first collective, which
+            # rank 0 joins only after this.
+            (path / COMPLETE).unlink(missing_ok=True)
+        # The writer is built here, not inferred by DCP from a path, so the storage can be
+        # swapped in one place (and tests can slow it down or crash it).
+        writer = dcp.FileSystemWriter(str(path))
+        if self.cfg.async_mode == "off":
+            dcp.save(states, storage_writer=writer)
+            blocked = time.perf_counter() - start
+            self._mark_complete(step, path, blocked, total=blocked)
+            return
+        response = dcp.async_save(states, storage_writer=writer, process_group=self.group)
+        # torch may return an AsyncSaveResponse (staging and upload futures) or a Future.
+        future = getattr(response, "upload_completion", response)
+        self.in_flight = _InFlight(step, path, future, start, time.perf_counter() - start)
+        future.add_done_callback(
+            lambda _, s=self.in_flight: setattr(s, "finished", time.perf_counter())
+        )
+
+    def wait(self) -> None:
+        """Block until the async save in flight (if any) is finished and marked complete."""
+        if self.in_flight is not None:
+            self.in_flight.future.result()
+            self._finish()
+
+    def _finish(self) -> None:
+        """Mark the finished async save complete; re-raises its error if it failed."""
+        done, self.in_flight = self.in_flight, None
+        assert done is not None
+        done.future.result()
+        total = (done.finished or time.perf_counter()) - done.started
+        self._mark_complete(done.step, done.path, done.blocked, total)
+
+    def _mark_complete(self, step: int, path: Path, blocked: float, total: float) -> None:
+        """Rank 0 writes the COMPLETE marker, then prunes.
+
+        Called once this rank's save returned. DCP's last collective gathers every rank's write
+        results on rank 0, which then writes the metadata; only after that does rank 0's save
+        (or its future) return. So every rank has finished writing, and the marker can go.
+        """
+        if not self.is_rank0:
+            return
+        with open(path / COMPLETE, "w") as f:
+            f.write(f"step {step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        logger.info(
+            "checkpoint step %d: blocked %.3f s, total %.3f s (%s)", step, blocked, total, path
+        )
+        self._prune(step)
+
+    def _prune(self, newest: int) -> None:
+        """Delete checkpoints older than the one just completed, keeping keep_last in all.
+
+        Only older ones: a newer directory can exist when a run resumed from an earlier step,
+        and it is not this function's to judge. Partial directories older than a complete one
+        are leftovers of crashed saves and go too.
+        """
+        if self.cfg.keep_last == 0:
+            return
+        older = [(s, p) for s, p in list_step_dirs(self.folder) if s < newest]
+        complete = [p for _, p in older if is_complete(p)]
+        doomed = complete[: max(0, len(complete) - (self.cfg.keep_last - 1))]
+        doomed += [p for _, p in older if not is_complete(p)]
+        for path in doomed:
+            # Marker first: a deletion cut short must not leave a "complete" half directory.
+            (path / COMPLETE).unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True)
+            logger.info("checkpoint: deleted %s (keep_last=%d)", path, self.cfg.keep_last)

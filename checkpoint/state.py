@@ -1,0 +1,144 @@
+"""What a checkpoint holds: each piece of training state as a `Stateful` that DCP saves and loads.
+
+`build_states` gathers them into the one dict handed to `dcp.save` / `dcp.load`; its top-level
+keys are the checkpoint format that `checkpoint/export.py` relies on:
+
+| key | what | on resume |
+|---|---|---|
+| `model` | `get_model_state_dict`: FQN -> DTensor shard (full shapes in the metadata) | loaded |
+| `optimizer` | `get_optimizer_state_dict`: AdamW moments and step, keyed by FQN | loaded |
+| `lr_scheduler` | `LambdaLR.state_dict()` (its lambdas are rebuilt from the config) | loaded |
+| `dataloader` | the train loader's state: global stream positions consumed | loaded |
+| `train` | step, samples and tokens seen, RNG states | loaded |
+| `config` | the resolved config as TOML text, for tools and humans | never |
+
+DCP saves sharded tensors once per shard and replicated values (plain tensors, Python objects)
+once, deduplicated across ranks; every rank reads what it needs when loading, so a checkpoint
+loads on any mesh.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+
+class ModelState(Stateful):
+    """The model's parameters by FQN (`tok_embeddings.weight`, `layers.0.attention.wq.weight`).
+
+    Model and optimizer go through `torch.distributed.checkpoint.state_dict`, which knows
+    FSDP2's DTensor parameters and keys both by FQN, so either loads onto any mesh. They are two
+    Statefuls (as in torchtitan) so that each is a top-level key of the checkpoint.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class OptimizerState(Stateful):
+    """AdamW state (moments and step per parameter FQN, and the param groups)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+class DataLoaderState(Stateful):
+    """The train loader's position, stored as one pickled entry.
+
+    DCP loads into a template of the same keys as what was saved, but a `StatefulDataLoader`'s
+    state dict changes shape once it has been iterated (and with workers), so a fresh loader
+    cannot serve as the template; one opaque entry can. The state is the global number of stream
+    positions consumed, identical on every rank and independent of the mesh (see
+    data/loader.py), so the single copy DCP keeps after deduplication is right for every rank of
+    any mesh whose dp_size * micro_batch_size divides it.
+    """
+
+    def __init__(self, loader: StatefulDataLoader) -> None:
+        self.loader = loader
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": pickle.dumps(self.loader.state_dict())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loader.load_state_dict(pickle.loads(state_dict["state"]))
+
+
+@dataclass
+class TrainState(Stateful):
+    """Progress counters and RNG states.
+
+    All ranks are seeded alike and nothing in the trainer draws per-rank random numbers, so
+    the RNG states are identical everywhere and the one copy DCP keeps is right for every rank.
+    They are stored as bytes, not tensors, so that a checkpoint made on CPU loads on a GPU run
+    (and back) even though the CUDA state is absent on one side.
+    """
+
+    step: int = 0
+    """Optimizer steps completed."""
+    samples_seen: int = 0
+    """Sequences consumed = the train loader's global stream position."""
+    tokens_seen: int = 0
+    """Input tokens consumed (samples_seen x seq_len while seq_len is unchanged)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        return {
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+            "tokens_seen": self.tokens_seen,
+            "rng": {
+                "cpu": torch.get_rng_state().numpy().tobytes(),
+                "cuda": b"" if cuda is None else cuda.numpy().tobytes(),
+            },
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.samples_seen = int(state_dict["samples_seen"])
+        self.tokens_seen = int(state_dict["tokens_seen"])
+        rng = state_dict["rng"]
+        torch.set_rng_state(torch.frombuffer(bytearray(rng["cpu"]), dtype=torch.uint8))
+        if rng["cuda"] and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(rng["cuda"]), dtype=torch.uint8))
+
+
+def build_states(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    loader: StatefulDataLoader,
+    progress: TrainState,
+    config_toml: str,
+) -> dict[str, Any]:
+    """The dict handed to DCP: every entry a Stateful, plus the config text."""
+    return {
+        "model": ModelState(model),
+        "optimizer": OptimizerState(model, optimizer),
+        "lr_scheduler": scheduler,  # LRScheduler has state_dict/load_state_dict: a Stateful
+        "dataloader": DataLoaderState(loader),
+        "train": progress,
+        "config": config_toml,
+    }

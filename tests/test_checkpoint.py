@@ -1,0 +1,336 @@
+"""Checkpoints on real gloo ranks: exact resume, resharding across meshes, crashes mid-save,
+async saves, pruning, model-only loads, and bad input rejected before any collective."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import train
+from checkpoint import COMPLETE
+from parallel.dims import LaunchEnv
+from tests.distributed import run_distributed
+from tests.test_cli import run_cli
+from tests.test_train import FP32, TINY, assert_close, run, train_losses
+
+STEPS = 8
+# Four global batches of 8 per checkpoint: 2 ranks x micro-batches of 2 x 2 accumulation steps.
+SAVE_EVERY_4 = ["--checkpoint.interval=4", "--checkpoint.keep_last=0"]
+
+
+def argv(dataset: str, out: Path, name: str, *extra: str) -> list[str]:
+    return [
+        f"--data.path={dataset}", f"--run.output_dir={out}", f"--run.name={name}", *TINY, *FP32,
+        f"--train.steps={STEPS}", "--train.micro_batch_size=2", *extra,
+    ]  # fmt: skip
+
+
+def ckpt(out: Path, name: str, step: int) -> Path:
+    return out / name / "checkpoints" / f"step-{step}"
+
+
+@pytest.fixture(scope="module")
+def sync_run(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[list, Path]:
+    """2 ranks FSDP, 8 fp32 steps, synchronous checkpoints at steps 4 and 8 (run 'sync')."""
+    out = tmp_path_factory.mktemp("runs")
+    losses = run_distributed(train_losses, 2, argv(tiny_dataset, out, "sync", *SAVE_EVERY_4))[0]
+    return losses, out
+
+
+def load_everything(path: Path, tmp: Path) -> dict[str, Any]:
+    """Every entry of a DCP checkpoint, unsharded, in this process (no process group)."""
+    dcp_to_torch_save(path, tmp / "all.pt")
+    return torch.load(tmp / "all.pt", weights_only=False)
+
+
+def assert_same_entries(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_entries(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def test_resume_is_bitwise_exact(sync_run: tuple[list, Path], tiny_dataset: str) -> None:
+    """8 steps straight = 4 steps, then a resume from step 4 for 4 more: bitwise, data included.
+
+    The LR schedule spans train.steps, so the 'stop' at 4 is the checkpoint of the 8-step run;
+    a plain run without checkpoints shows that saving does not perturb training."""
+    losses, out = sync_run
+    resumed = run_distributed(
+        train_losses,
+        2,
+        argv(tiny_dataset, out, "resumed", f"--checkpoint.resume={ckpt(out, 'sync', 4)}"),
+    )[0]
+    assert resumed == losses[4:]
+    assert run_distributed(train_losses, 2, argv(tiny_dataset, out, "plain"))[0] == losses
+
+
+class _SlowWriter(FileSystemWriter):
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        time.sleep(1.0)
+        return super().write_data(plan, planner)
+
+
+def train_with_slow_writer(args: list[str]) -> list[float]:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.FileSystemWriter = _SlowWriter  # what the manager builds; only in this rank's process
+    return train_losses(args)
+
+
+def test_async_save_equals_sync(
+    sync_run: tuple[list, Path], tiny_dataset: str, tmp_path: Path
+) -> None:
+    """async_save writes what save writes (every tensor and value) and training is unchanged.
+
+    The async run's writer sleeps 1 s first, so training runs several steps ahead while each
+    save is in flight: equal checkpoints then show the saved state is a snapshot."""
+    losses, out = sync_run
+    args = argv(tiny_dataset, out, "async", *SAVE_EVERY_4, "--checkpoint.async_mode=async")
+    assert run_distributed(train_with_slow_writer, 2, args)[0] == losses
+    for step in (4, 8):
+        assert (ckpt(out, "async", step) / COMPLETE).is_file()
+        sync = load_everything(ckpt(out, "sync", step), tmp_path)
+        other = load_everything(ckpt(out, "async", step), tmp_path)
+        sync_config, async_config = sync.pop("config"), other.pop("config")
+        assert_same_entries(sync, other)
+        changed = set(sync_config.splitlines()) ^ set(async_config.splitlines())
+        assert changed == {
+            'name = "sync"', 'name = "async"', 'async_mode = "off"', 'async_mode = "async"'
+        }  # fmt: skip
+    # What step 8 holds: 8 steps of 8 sequences of 32 tokens, and the loader at that position.
+    assert (sync["train"]["step"], sync["train"]["samples_seen"]) == (8, 64)
+    assert sync["train"]["tokens_seen"] == 64 * 32
+    assert pickle.loads(sync["dataloader"]["state"])["_index_sampler_state"]["consumed"] == 64
+    assert sync["model"]["tok_embeddings.weight"].shape == (512, 64)  # full shapes, fp32
+    assert sync["model"]["tok_embeddings.weight"].dtype == torch.float32
+
+
+class _KillingWriter(FileSystemWriter):
+    """Writes this rank's data, then SIGKILLs the process when saving the step dir $KILL_AT."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        result = super().write_data(plan, planner)
+        if Path(self.path).name == os.environ["KILL_AT"] and os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+
+def train_and_get_killed(args: list[str]) -> list[float]:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.FileSystemWriter = _KillingWriter  # only in this rank's process
+    return train_losses(args)
+
+
+@pytest.mark.parametrize("mode", ["off", "async"])
+def test_kill_during_save_resumes_from_previous_checkpoint(
+    sync_run: tuple[list, Path], tiny_dataset: str, mode: str, caplog
+) -> None:
+    """`kill -9` of rank 1 in the middle of the step-4 save; `resume=auto` then takes step 2.
+
+    To make the kill land inside the save every time, without timing and without hooks in
+    production code, rank 1 kills itself: the manager builds its writer as
+    `dcp.FileSystemWriter(path)`, which the ranks of this run replace with a subclass that
+    writes its data and then sends itself SIGKILL while saving step 4. Rank 0 is then blocked
+    in DCP's final gather and fails; nobody writes step 4's metadata or COMPLETE marker."""
+    losses, out = sync_run
+    name = f"killed-{mode}"
+    args = argv(tiny_dataset, out, name, "--checkpoint.interval=2", "--parallel.timeout_s=30")
+    args.append(f"--checkpoint.async_mode={mode}")
+    with pytest.raises(AssertionError, match="rank 0 failed|did not finish"):
+        run_distributed(train_and_get_killed, 2, args, env={"KILL_AT": "step-4"}, timeout=90)
+    partial = ckpt(out, name, 4)
+    assert partial.is_dir() and not (partial / COMPLETE).exists()
+    assert (ckpt(out, name, 2) / COMPLETE).is_file()
+
+    with caplog.at_level(logging.WARNING):
+        plan = train.check_config(parse(args), LaunchEnv(0, 0, 2, 2, 1))
+    assert plan.resume is not None and plan.resume.path == ckpt(out, name, 2)
+    assert any(str(partial) in r.getMessage() for r in caplog.records), caplog.text
+    resumed = run_distributed(train_losses, 2, args)[0]
+    assert resumed == losses[2:]
+    assert (partial / COMPLETE).is_file()  # saved again, over the partial directory
+
+
+def parse(args: list[str]) -> train.JobConfig:
+    from configs import parse_config
+
+    return parse_config(train.JobConfig, args)
+
+
+@pytest.mark.slow
+def test_resharding_matrix_continues_the_same_run(tiny_dataset: str, tmp_path: Path) -> None:
+    """Save on one mesh, resume on the next: HSDP 2x2 -> FSDP 1x4 -> FSDP 1x2 -> 1 process ->
+    HSDP 2x2, two steps each, against a straight 2x2 run. The losses only match if weights,
+    optimizer, schedule and the data position all carry over (every sample seen once)."""
+    steps = ["--train.steps=10", "--train.micro_batch_size=2", "--checkpoint.interval=2"]
+    steps.append("--checkpoint.keep_last=0")
+    straight = run(tiny_dataset, tmp_path, 4, 2, [*FP32, *steps, "--run.name=hsdp"])
+    previous, resumed = ckpt(tmp_path, "hsdp", 2), []
+    for hop, (world, nodes) in enumerate([(4, 1), (2, 1), (1, 1), (4, 2)]):
+        name = f"hop{hop}-{world}x{nodes}"
+        extra = [*FP32, *steps, f"--run.name={name}", f"--checkpoint.resume={previous}"]
+        losses = run(tiny_dataset, tmp_path, world, nodes, extra)
+        first = 2 * hop + 2  # steps this hop resumed after
+        # Meshes sum in different orders: ~1e-7 per step, as in test_train's parity test.
+        assert_close(losses[:2], straight[first : first + 2], rtol=1e-5)
+        resumed += losses[:2]
+        previous = ckpt(tmp_path, name, first + 2)
+    assert len(resumed) == 8
+    final = load_everything(ckpt(tmp_path, "hop3-4x2", 10), tmp_path)
+    assert final["train"]["samples_seen"] == 80  # 10 steps x 8: nothing skipped or repeated
+    assert pickle.loads(final["dataloader"]["state"])["_index_sampler_state"]["consumed"] == 80
+
+
+def test_keep_last_prunes_only_older_complete_checkpoints(
+    tiny_dataset: str, tmp_path: Path, caplog
+) -> None:
+    """keep_last=2 keeps the two newest complete checkpoints; a directory without the marker is
+    never resumed from, and leftovers older than a complete checkpoint are cleaned up."""
+    args = argv(tiny_dataset, tmp_path, "prune", "--train.steps=6")
+    args += ["--checkpoint.interval=2", "--checkpoint.keep_last=2"]
+    run_distributed(train_losses, 1, args)
+    folder = tmp_path / "prune" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-4", "step-6"]
+    (folder / "step-6" / COMPLETE).unlink()  # as if killed between metadata and marker
+    (folder / "step-5").mkdir()  # an older partial leftover
+
+    with caplog.at_level(logging.WARNING):
+        plan = train.check_config(parse(args), LaunchEnv(0, 0, 1, 1, 1))
+    assert plan.resume is not None and plan.resume.path == folder / "step-4"
+    assert "step-6" in caplog.text and "step-5" in caplog.text
+    losses = run_distributed(train_losses, 1, [*args, "--train.steps=8"])[0]
+    assert len(losses) == 4  # steps 5..8
+    assert sorted(p.name for p in folder.iterdir()) == ["step-6", "step-8"]
+    assert all((folder / s / COMPLETE).is_file() for s in ("step-6", "step-8"))
+
+
+@pytest.mark.filterwarnings("ignore:.*set_vital")  # torchdata on torch 2.13, as in data/loader.py
+def test_load_model_only_starts_at_step_0_with_the_weights(
+    sync_run: tuple[list, Path], tiny_dataset: str
+) -> None:
+    """A new run (1 process) from the 2-rank checkpoint's weights: fresh steps and data."""
+    from data.loader import build_dataloader
+    from model.llama import Transformer, build_args
+
+    _, out = sync_run
+    source = ckpt(out, "sync", 4)
+    args = argv(tiny_dataset, out, "finetune", "--train.steps=2", "--checkpoint.load_model_only")
+    args.append(f"--checkpoint.resume={source}")
+    losses = run_distributed(train_losses, 1, args)[0]
+    assert len(losses) == 2
+
+    # Expected first loss: the checkpoint's weights on the first global batch of the stream.
+    job = parse(args)
+    model = Transformer(build_args(job.model))
+    model.init_weights(rope_len=job.data.seq_len)  # for the RoPE table; weights are replaced
+    weights = {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}
+    dcp_load_model(weights, source)
+    model.load_state_dict(weights)
+    loader = build_dataloader(job.data, "train", dp_rank=0, dp_size=1, micro_batch_size=8, seed=0)
+    inputs, targets = next(iter(loader))
+    with torch.no_grad():
+        expected = train.summed_loss(model, inputs, targets).item() / targets.numel()
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+
+
+def dcp_load_model(weights: dict[str, torch.Tensor], path: Path) -> None:
+    """What the export tool does: only the model, no process group."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--model.dim=32", "--model.n_layers=3", "--checkpoint.resume={sync4}"],
+            "does not fit this model (9 missing, 21 with another shape: missing "
+            "layers.2.attention_norm.weight [32]; missing layers.2.attention.wq.weight [32, 32];",
+        ),
+        (
+            ["--model.dim=32", "--checkpoint.resume={sync4}"],
+            "(21 with another shape: tok_embeddings.weight: checkpoint [512, 64] vs model "
+            "[512, 32]; layers.0.attention_norm.weight: checkpoint [64] vs model [32];",
+        ),
+        (
+            ["--model.n_layers=1", "--checkpoint.resume={sync4}"],
+            "unexpected layers.1.attention_norm.weight [64]",
+        ),
+        (["--checkpoint.resume={out}/nowhere/step-3"], "nowhere/step-3 does not exist"),
+        (
+            ["--checkpoint.resume={out}/sync/checkpoints"],
+            "pass one of them, e.g. {out}/sync/checkpoints/step-8",
+        ),
+        (["--checkpoint.resume={out}/empty"], "empty has no COMPLETE marker (a save that"),
+        (
+            ["--checkpoint.resume={sync4}", "--train.global_batch_size=24"]
+            + ["--train.micro_batch_size=24"],
+            "consumed 32 samples of the global data stream, which dp_size x micro_batch_size "
+            "= 24 does not divide",
+        ),
+        (["--checkpoint.interval=1", "--run.name=blocked"], "checkpoints is not writable"),
+        (["--checkpoint.load_model_only"], "load_model_only needs checkpoint.resume=<path"),
+        (["--checkpoint.async_mode=sometimes"], "not one of: off, async"),
+    ],
+    ids=[
+        "more-layers-and-narrower",
+        "narrower",
+        "fewer-layers",
+        "missing-path",
+        "folder-not-step",
+        "no-marker",
+        "data-position",
+        "unwritable",
+        "model-only-without-path",
+        "bad-choice",
+    ],
+)
+def test_bad_checkpoint_input_is_one_config_error(
+    sync_run: tuple[list, Path], tiny_dataset: str, extra: list[str], message: str, caplog
+) -> None:
+    """Each is found by check_config on every rank before any process group: exit 2, one line."""
+    _, out = sync_run
+    (out / "empty").mkdir(exist_ok=True)
+    (out / "blocked").mkdir(exist_ok=True)
+    (out / "blocked" / "checkpoints").touch()  # a file where the folder should go
+    extra = [e.format(out=out, sync4=ckpt(out, "sync", 4)) for e in extra]
+    message = message.format(out=out)
+    os.environ.pop("WORLD_SIZE", None)  # this process is a 1-rank launch
+    with caplog.at_level(logging.ERROR, logger="train"):
+        assert train.main([*argv(tiny_dataset, out, "bad"), *extra]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "\n" not in errors[0]
+    assert message in errors[0], errors[0]
+    assert not ckpt(out, "bad", 1).parent.exists()  # nothing was trained or saved
+
+
+@pytest.mark.slow
+def test_missing_resume_path_under_torchrun_fails_once_without_hanging(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    missing = tmp_path / "gone" / "step-9"
+    result = run_cli([*argv(tiny_dataset, tmp_path, "x"), f"--checkpoint.resume={missing}"])
+    assert result.returncode != 0
+    assert result.stderr.count("config error:") == 1, result.stderr[-2000:]
+    assert f"{missing} does not exist" in result.stderr
