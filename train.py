@@ -30,6 +30,7 @@ from checkpoint import (
     check_resume,
     checkpoint_folder,
 )
+from checkpoint.hf import check_hf_config, load_hf_weights
 from configs import ConfigError, HelpRequested, config_to_toml, parse_config
 from data.loader import DataConfig, DatasetIndex, build_dataloader, open_dataset
 from model.llama import (
@@ -42,6 +43,7 @@ from model.llama import (
     fsdp_units,
 )
 from parallel.dims import LaunchEnv, ParallelConfig, resolve_dims
+from parallel.float8 import Float8Config, apply_float8, check_float8, precompute_float8_scales
 from parallel.fsdp import apply_fsdp, assign_local_shard
 from parallel.metrics import (
     MetricsConfig,
@@ -141,6 +143,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fp8: Float8Config = field(default_factory=Float8Config)
     dry_run: bool = False
     """Print the resolved config, mesh, parameter count and memory estimate, then exit."""
 
@@ -187,6 +190,10 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         )
     if job.parallel.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
+    on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()
+    check_float8(job.fp8, "cuda" if on_gpu else "cpu")
+    if job.checkpoint.init_from_hf:
+        check_hf_config(args, job.checkpoint.init_from_hf)
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
     # or unwritable path) surface here too, before anything could hang on them.
     with torch.device("meta"):
@@ -270,9 +277,16 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
     # initialize them. Each block is its own FSDP unit; see parallel/fsdp.py.
     with torch.device("meta"):
         model = Transformer(plan.args)
+    if job.fp8.enabled:  # before FSDP, so it shards the float8-aware weights
+        converted = apply_float8(model, job.fp8)
+        if is_rank0:
+            logger.info("fp8 (%s): %d Linear layers converted", job.fp8.recipe, len(converted))
     apply_fsdp(model, fsdp_units(model), dp_mesh(mesh), job.parallel)
     model.to_empty(device=device)
-    model.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
+    if job.checkpoint.init_from_hf and plan.resume is None:
+        load_hf_weights(model, job.checkpoint.init_from_hf, rope_len=job.data.seq_len)
+    else:  # random init, also when a checkpoint is about to overwrite it (it sets the RoPE table)
+        model.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
     n_params = count_params(model)
     if is_rank0:
         logger.info("model %s: %s parameters", job.model.flavor, f"{n_params:,}")
@@ -308,7 +322,8 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
     flops = flops_per_token(
         plan.args, count_params(model, exclude_embedding=True), job.data.seq_len
     )
-    precision = "bf16" if job.parallel.param_dtype == "bfloat16" else "fp32"
+    # The peak MFU is measured against (none is listed for fp32: set metrics.peak_tflops).
+    precision = "fp8" if job.fp8.enabled else {"bfloat16": "bf16"}.get(job.parallel.param_dtype)
     meter = ThroughputMeter(
         job.metrics.warmup_steps,
         env.world_size,
@@ -344,6 +359,7 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
         loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
         if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
             optimizer.step()
+            precompute_float8_scales(model, job.fp8)  # no-op unless fp8 tensorwise
         elif t.on_nonfinite == "error":
             raise NonFiniteError(
                 f"step {step}: loss {loss_value}, grad norm {grad_norm_value}; stopping "

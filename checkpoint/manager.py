@@ -53,11 +53,15 @@ class CheckpointConfig:
     a path to a step-N directory; 'none' = always start fresh."""
     load_model_only: bool = False
     """Start a new run from the weights of checkpoint.resume (a path): step 0, a fresh optimizer
-    and schedule, data from the start of the stream."""
+    and schedule, data from the start of the stream. Once the run has saved a checkpoint of its
+    own, a restart resumes that one instead."""
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the weights written by the Hugging Face export tool."""
     folder: str = "checkpoints"
     """Where step-N directories go: relative to the run directory, or an absolute path."""
+    init_from_hf: str | None = None
+    """Initialize a new run from a local Hugging Face Llama safetensors directory (instead of
+    random weights). Like load_model_only, only when the run has no checkpoint of its own."""
 
     def __post_init__(self) -> None:
         if self.interval < 0 or self.keep_last < 0:
@@ -140,14 +144,22 @@ def check_resume(
         _check_writable(folder)
     if cfg.resume == "none":
         return None
-    if cfg.resume == "auto":
-        path = latest_complete(folder, warn=is_rank0)
-        if path is None:
-            return None
+    own = latest_complete(folder, warn=is_rank0)
+    if own is not None and (cfg.resume == "auto" or cfg.load_model_only):
+        # The run's own checkpoints win over an initial load (load_model_only): a run restarted
+        # with the same command after a preemption must continue, not start over.
+        path = own
+        if cfg.load_model_only and is_rank0:
+            logger.info(
+                "%s: resuming this run's own checkpoint; the initial weights (%s) were used "
+                "for its first start only", own, cfg.resume
+            )  # fmt: skip
+    elif cfg.resume == "auto":
+        return None
     else:
         path = _check_resume_path(Path(cfg.resume))
     _check_model(path, model_shapes)
-    if cfg.load_model_only:
+    if cfg.load_model_only and path != own:
         return ResumePoint(path, 0, model_only=True)
     progress = {"train": {"step": 0, "samples_seen": 0}}
     with warnings.catch_warnings():  # DCP warns that no_dist means one process: intended

@@ -31,7 +31,39 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+
+def plain_tensors(state: Any) -> Any:
+    """The same nested state with tensor-subclass wrappers replaced by the plain tensors they wrap.
+
+    FP8 training (torchao) wraps each weight, and AdamW's moments made from it with zeros_like,
+    in a tensor subclass. Saved as is, a checkpoint would need torchao to be read and would not
+    load into a bf16 run. The plain tensor shares the wrapper's storage, so DCP still loads in
+    place into the live parameters and optimizer state.
+    """
+    if isinstance(state, dict):
+        return {k: plain_tensors(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [plain_tensors(v) for v in state]
+    if isinstance(state, DTensor):
+        local = _unwrap(state.to_local())
+        if local is state.to_local():
+            return state
+        return DTensor.from_local(local, state.device_mesh, state.placements,
+                                  shape=state.shape, stride=state.stride())  # fmt: skip
+    return _unwrap(state) if isinstance(state, torch.Tensor) else state
+
+
+def _unwrap(tensor: torch.Tensor) -> torch.Tensor:
+    # Traceable wrapper subclasses expose their inner tensors through __tensor_flatten__.
+    while type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
+        inner, _ = tensor.__tensor_flatten__()
+        if len(inner) != 1:
+            break
+        tensor = getattr(tensor, inner[0])
+    return tensor
 
 
 class ModelState(Stateful):
@@ -46,7 +78,7 @@ class ModelState(Stateful):
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return plain_tensors(get_model_state_dict(self.model))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state_dict)
@@ -59,7 +91,7 @@ class OptimizerState(Stateful):
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return plain_tensors(get_optimizer_state_dict(self.model, self.optimizer))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)

@@ -40,7 +40,9 @@ class MetricsConfig:
             raise ConfigError("metrics: log_interval must be >= 1 and warmup_steps >= 0")
 
 
-def peak_tflops(device: torch.device, precision: str, override: float | None) -> float | None:
+def peak_tflops(
+    device: torch.device, precision: str | None, override: float | None
+) -> float | None:
     """Peak dense TFLOP/s of one device, or None when unknown (CPU, unlisted GPU)."""
     if override is not None:
         return override
@@ -50,7 +52,7 @@ def peak_tflops(device: torch.device, precision: str, override: float | None) ->
     # Longest match first so "H100 PCIe" wins over "H100".
     for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
         if key in name:
-            return PEAK_TFLOPS[key].get(precision)
+            return PEAK_TFLOPS[key].get(precision or "")
     logger.warning("no peak FLOPs known for %r: set metrics.peak_tflops for MFU", name)
     return None
 
