@@ -334,3 +334,45 @@ def test_missing_resume_path_under_torchrun_fails_once_without_hanging(
     assert result.returncode != 0
     assert result.stderr.count("config error:") == 1, result.stderr[-2000:]
     assert f"{missing} does not exist" in result.stderr
+
+
+def test_restart_of_a_finetune_resumes_its_own_checkpoint(
+    sync_run: tuple[list, Path], tiny_dataset: str
+) -> None:
+    """load_model_only applies to a run's first start: restarted with the same command (after
+    a preemption, say) it continues from its own checkpoint instead of starting over."""
+    _, out = sync_run
+    # A constant schedule, so that stopping at 4 of 4 steps and going on to 6 is one run.
+    flat = ["--optim.decay=constant", "--optim.warmup_steps=0"]
+    base = argv(tiny_dataset, out, "ft", "--checkpoint.load_model_only", *SAVE_EVERY_4, *flat)
+    base.append(f"--checkpoint.resume={ckpt(out, 'sync', 4)}")
+    first = run_distributed(train_losses, 2, [*base, "--train.steps=4"])[0]
+    again = run_distributed(train_losses, 2, [*base, "--train.steps=6"])[0]
+    assert len(first) == 4 and len(again) == 2  # steps 5-6 only: resumed at its own step 4
+    straight = run_distributed(
+        train_losses, 2, [*argv(tiny_dataset, out, "ft2", "--checkpoint.load_model_only", *flat,
+                                f"--checkpoint.resume={ckpt(out, 'sync', 4)}"), "--train.steps=6"],
+    )[0]  # fmt: skip
+    assert first + again == straight
+
+
+def test_init_from_hf_equals_load_model_only(
+    sync_run: tuple[list, Path], tiny_dataset: str
+) -> None:
+    """Starting from the exported Hugging Face weights is starting from the checkpoint's."""
+    from checkpoint.export import export_checkpoint
+
+    _, out = sync_run
+    source = ckpt(out, "sync", 4)
+    hf_dir = out / "hf"
+    export_checkpoint(source, hf_dir, dtype=torch.float32)
+    from_hf = run_distributed(
+        train_losses, 2,
+        argv(tiny_dataset, out, "hf-run", "--train.steps=3", f"--checkpoint.init_from_hf={hf_dir}"),
+    )[0]  # fmt: skip
+    from_dcp = run_distributed(
+        train_losses, 2,
+        argv(tiny_dataset, out, "dcp-run", "--train.steps=3", "--checkpoint.load_model_only",
+             f"--checkpoint.resume={source}"),
+    )[0]  # fmt: skip
+    assert from_hf == from_dcp
