@@ -38,9 +38,9 @@ def _dcp_load(state_dict: dict, checkpoint_dir: Path) -> None:
         dcp.load(state_dict, checkpoint_id=checkpoint_dir, no_dist=True)
 
 
-def read_model_args(checkpoint_dir: Path, entries: set[str]) -> LlamaArgs:
-    """The model shape from the checkpoint's "config" entry (the run's resolved TOML), or from
-    the run's config.toml (`<run>/checkpoints/step-N/../../config.toml`) if it has none."""
+def read_run_config(checkpoint_dir: Path, entries: set[str]) -> tuple[dict, str]:
+    """The run's resolved config from the checkpoint's "config" entry, or from the run's
+    config.toml (`<run>/checkpoints/step-N/../../config.toml`) if it has none."""
     if "config" in entries:
         state = {"config": ""}
         _dcp_load(state, checkpoint_dir)
@@ -52,8 +52,17 @@ def read_model_args(checkpoint_dir: Path, entries: set[str]) -> LlamaArgs:
         text, source = path.read_text(), str(path)
         logger.warning("checkpoint has no config entry; model shape read from %s", path)
     try:
-        return build_args(ModelConfig(**tomllib.loads(text).get("model", {})))
-    except (tomllib.TOMLDecodeError, TypeError) as e:
+        return tomllib.loads(text), source
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"cannot read the config from {source}: {e}") from e
+
+
+def read_model_args(checkpoint_dir: Path, entries: set[str]) -> LlamaArgs:
+    """The model shape the checkpoint was trained with."""
+    config, source = read_run_config(checkpoint_dir, entries)
+    try:
+        return build_args(ModelConfig(**config.get("model", {})))
+    except TypeError as e:
         raise ConfigError(f"cannot read the [model] config from {source}: {e}") from e
 
 
@@ -95,14 +104,21 @@ def load_checkpoint_model(checkpoint_dir: str | Path) -> Transformer:
 def export_checkpoint(
     checkpoint_dir: str | Path,
     out_dir: str | Path,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> list[Path]:
-    """Write `checkpoint_dir`'s model to `out_dir` in the HF Llama layout; returns the files."""
+    """Write `checkpoint_dir`'s model to `out_dir` in the HF Llama layout; returns the files.
+
+    `dtype` defaults to the run's `checkpoint.export_dtype` (bfloat16 if it has none).
+    """
     out = Path(out_dir)
     if out.is_dir() and any(out.glob("*.safetensors*")):
         raise ConfigError(f"{out} already holds safetensors files; export into an empty directory")
     model = load_checkpoint_model(checkpoint_dir)
+    if dtype is None:
+        entries = set(dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata)
+        config, _ = read_run_config(Path(checkpoint_dir), entries)
+        dtype = DTYPES[config.get("checkpoint", {}).get("export_dtype", "bfloat16")]
     files = save_hf_weights(model, out, dtype, max_shard_bytes)
     logger.info("wrote %d file(s) and config.json to %s", len(files), out)
     return files
@@ -116,11 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("checkpoint_dir", help="a complete step directory, e.g. .../step-300")
     parser.add_argument("out_dir", help="where to write the safetensors and config.json")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default=None,
+        help="weight dtype (default: the run's checkpoint.export_dtype, else bfloat16)",
+    )  # fmt: skip
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
-        export_checkpoint(opts.checkpoint_dir, opts.out_dir, DTYPES[opts.dtype])
+        dtype = DTYPES[opts.dtype] if opts.dtype else None
+        export_checkpoint(opts.checkpoint_dir, opts.out_dir, dtype)
     except ConfigError as err:
         logger.error("export error: %s", err)
         return 2

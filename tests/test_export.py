@@ -404,3 +404,23 @@ def test_sharded_import_reads_only_local_rows(tmp_path: Path, dp_replicate: int)
     assert exported.keys() == original.keys()
     for key, value in original.items():
         assert torch.equal(exported[key], value), key
+
+
+def test_export_dtype_defaults_to_the_runs_checkpoint_export_dtype(tmp_path: Path) -> None:
+    cfg = small_config(tie_embeddings=False)
+    model = random_model(build_args(cfg))
+    step_dir = tmp_path / "run" / "checkpoints" / "step-1"
+    toml = config_to_toml(_Run(cfg)) + '\n[checkpoint]\nexport_dtype = "float32"\n'
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(
+            {"model": model.state_dict(), "config": toml}, checkpoint_id=step_dir, no_dist=True
+        )
+    (step_dir / "COMPLETE").touch()
+    assert main([str(step_dir), str(tmp_path / "hf")]) == 0
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    assert {w.dtype for w in weights.values()} == {torch.float32}
+    assert main([str(step_dir), str(tmp_path / "hf16"), "--dtype", "bfloat16"]) == 0  # CLI wins
+    assert {w.dtype for w in load_file(tmp_path / "hf16" / "model.safetensors").values()} == {
+        torch.bfloat16
+    }
