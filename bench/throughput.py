@@ -30,7 +30,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CASES = ("debug", "100m", "ratio", "titan")
 # No evaluation pauses and no TensorBoard writes in any timed run.
-COMMON = ["--train.eval_interval=0", "--metrics.tensorboard=false"]
+COMMON = [
+    "--train.eval_interval=0", "--metrics.tensorboard=false",
+    "--checkpoint.interval=0", "--checkpoint.resume=none",
+]  # fmt: skip
 # The debug model of configs/debug.toml (fp32, vocab 512), with the batch pinned here so the
 # numbers stay comparable when that file's training settings change: 16 x 256 tokens per step,
 # micro-batches of 4 (accumulation 4 on one rank, none on four).
