@@ -212,3 +212,21 @@ def test_fp8_and_bf16_checkpoints_are_interchangeable(tiny_dataset: str, tmp_pat
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(bf16_from_bf16), rtol=1e-3, atol=0
         )
+
+
+@pytest.mark.slow
+def test_fp8_gradient_accumulation_matches_one_large_batch(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """4 micro-batches of 1 per rank give the losses of one micro-batch of 4 (global batch 8)."""
+    from tests.test_train import train_losses
+
+    fp8 = ["--train.steps=5", "--fp8.enabled=true", "--parallel.param_dtype=float32"]
+    accum = run_distributed(
+        train_losses, 2, _argv(tiny_dataset, tmp_path / "a", *fp8, "--train.micro_batch_size=1")
+    )[0]
+    large = run_distributed(
+        train_losses, 2, _argv(tiny_dataset, tmp_path / "b", *fp8, "--train.micro_batch_size=4")
+    )[0]
+    # float8 scales are per tensor of each micro-batch, so the casts differ slightly.
+    torch.testing.assert_close(torch.tensor(accum), torch.tensor(large), rtol=5e-3, atol=0)
