@@ -42,6 +42,8 @@ from model.llama import (
     flops_per_token,
     fsdp_units,
 )
+from parallel.ac import ActivationCheckpointConfig, apply_ac
+from parallel.compile import CompileConfig, apply_compile
 from parallel.dims import LaunchEnv, ParallelConfig, resolve_dims
 from parallel.float8 import Float8Config, apply_float8, check_float8, precompute_float8_scales
 from parallel.fsdp import apply_fsdp, assign_local_shard
@@ -53,7 +55,7 @@ from parallel.metrics import (
     memory_stats,
     peak_tflops,
 )
-from parallel.plan import estimate_memory
+from parallel.plan import format_plan, plan_communication, plan_memory
 from parallel.runtime import (
     build_mesh,
     dp_mesh,
@@ -144,8 +146,11 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fp8: Float8Config = field(default_factory=Float8Config)
+    ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     dry_run: bool = False
-    """Print the resolved config, mesh, parameter count and memory estimate, then exit."""
+    """Print the resolved config, mesh, parameter count, memory and communication plan, then
+    exit."""
 
 
 @dataclass(frozen=True)
@@ -281,6 +286,8 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
         converted = apply_float8(model, job.fp8)
         if is_rank0:
             logger.info("fp8 (%s): %d Linear layers converted", job.fp8.recipe, len(converted))
+    apply_ac(model, job.ac)  # before compile, so the compiled block includes its recompute
+    apply_compile(model, job.compile)  # before FSDP, so its collectives stay outside compiled code
     apply_fsdp(model, fsdp_units(model), dp_mesh(mesh), job.parallel)
     model.to_empty(device=device)
     if job.checkpoint.init_from_hf and plan.resume is None:
@@ -437,13 +444,25 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     with torch.device("meta"):
         model = Transformer(plan.args)
     n_params = count_params(model)
-    mem = estimate_memory(
+    mem = plan_memory(
         plan.args,
-        n_params,
         plan.dp_shard,
         job.train.micro_batch_size,
         job.data.seq_len,
         job.parallel.param_dtype,
+        job.ac.mode,
+        job.ac.every,
+        job.parallel.reshard_after_forward,
+    )
+    comm = plan_communication(
+        plan.args,
+        plan.dp_replicate,
+        plan.dp_shard,
+        job.parallel.param_dtype,
+        job.parallel.reduce_dtype,
+        fp8=job.fp8.enabled and job.fp8.recipe == "tensorwise",
+        reshard_after_forward=job.parallel.reshard_after_forward,
+        grad_accum_steps=plan.grad_accum_steps,
     )
     print(config_to_toml(job))
     print(
@@ -453,8 +472,8 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     print(f"# parameters: {n_params:,}")
     if plan.resume is not None:
         print(f"# resume: {plan.resume.path} (step {plan.resume.step})")
-    parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in mem.items())
-    print(f"# estimated memory per rank: {sum(mem.values()) / 2**30:.1f} GiB ({parts} GiB)")
+    mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
+    print("\n".join(f"# {line}" for line in format_plan({mesh: (mem, comm)})))
 
 
 def setup_logging(rank: int) -> None:

@@ -1,37 +1,276 @@
-"""Back-of-the-envelope memory per rank, shown by `train.py --dry-run`."""
+"""Memory and communication per GPU for FSDP and HSDP, before renting the cluster.
+
+    python -m parallel.plan --model 8B --nodes 16 --gpus-per-node 8 --seq-len 8192 --ac full
+
+Prints, for FSDP (dp_shard = all GPUs) and HSDP (dp_shard = GPUs per node) side by side, the
+per-GPU memory and the bytes each GPU sends per optimizer step on each mesh dimension, which
+plan fits in `--gpu-mem` and which communicates faster with the given bandwidths. `train.py
+--dry-run` prints the same numbers for the configured run.
+
+Counting follows this trainer exactly (tests/test_plan.py checks it against the collectives of a
+real run within 1%):
+- Parameters are sharded per FSDP unit (each block, then the root: embeddings, final norm,
+  output), dim 0 padded to a multiple of dp_shard, as FSDP2 does.
+- Each micro-batch all-gathers every unit in forward, and again in backward if the unit was
+  resharded after forward (`parallel.reshard_after_forward`: by default every block but the last;
+  never the root). AC recompute happens while the unit is gathered: no extra all-gather.
+- Only the last micro-batch of a step reduces gradients: a reduce-scatter in `reduce_dtype`
+  inside the shard group, then (HSDP) an all-reduce of the shard across replicas.
+- fp8 (tensorwise) all-gathers converted Linear weights as 1 byte per element.
+- Bytes sent per rank by a ring: all-gather (S-1)·shard, reduce-scatter (S-1)/S·input,
+  all-reduce 2(R-1)/R·buffer. The trainer's few scalar all-reduces (token count, loss, grad
+  norm) are left out.
+"""
 
 from __future__ import annotations
 
-from model.llama import LlamaArgs
+import argparse
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from model.llama import FLAVORS, LlamaArgs, Transformer, fsdp_units
 
 BYTES = {"bfloat16": 2, "float32": 4}
+AcMode = Literal["none", "full", "selective", "op"]
+Reshard = Literal["default", "always", "never"]
 
 
-def estimate_memory(
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit: its parameter shapes and which are fp8-convertible Linear weights."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    fp8_convertible: tuple[bool, ...]
+
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def shard_numel(self, shard: int, fp8_only: bool | None = None) -> int:
+        """Elements of this rank's (padded) shard: FSDP2 pads dim 0 to a multiple of shard."""
+        return sum(
+            math.ceil(s[0] / shard) * math.prod(s[1:])
+            for s, f in zip(self.shapes, self.fp8_convertible, strict=True)
+            if fp8_only is None or f == fp8_only
+        )
+
+
+def fsdp_unit_shapes(args: LlamaArgs, fp8_skip: tuple[str, ...] = ("output",)) -> list[Unit]:
+    """The blocks' units in order, then the root's, read from the model built on meta."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    units = fsdp_units(model)
+    in_unit = {id(p) for u in units for p in u.parameters()}
+
+    def unit(params: list[tuple[str, nn.Parameter]], owner: nn.Module) -> Unit:
+        linears = {
+            id(m.weight)
+            for name, m in owner.named_modules()
+            if isinstance(m, nn.Linear)
+            and m.in_features % 16 == 0
+            and m.out_features % 16 == 0
+            and name.split(".")[-1] not in fp8_skip
+        }
+        shapes = tuple(tuple(p.shape) for _, p in params)
+        return Unit(shapes, tuple(id(p) in linears for _, p in params))
+
+    blocks = [unit(list(u.named_parameters()), u) for u in units]
+    root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_unit]
+    return [*blocks, unit(root, model)]
+
+
+def _resharded(policy: Reshard, index: int, n_blocks: int) -> bool:
+    """Whether unit `index` (blocks first, the root last) is freed after forward."""
+    if policy == "always":
+        return True
+    if policy == "never" or index == n_blocks:  # the root is not resharded unless 'always'
+        return False
+    return index < n_blocks - 1  # 'default': all blocks but the last
+
+
+def plan_communication(
     args: LlamaArgs,
-    n_params: int,
+    dp_replicate: int,
+    dp_shard: int,
+    param_dtype: str = "bfloat16",
+    reduce_dtype: str = "float32",
+    fp8: bool = False,
+    reshard_after_forward: Reshard = "default",
+    grad_accum_steps: int = 1,
+) -> dict[str, dict[str, float]]:
+    """Bytes each rank sends per optimizer step: {mesh dim: {collective: bytes}}."""
+    units = fsdp_unit_shapes(args)
+    n_blocks = len(units) - 1
+    s, r = dp_shard, dp_replicate
+    gather = reduce_scatter = all_reduce = 0.0
+    for i, u in enumerate(units):
+        if fp8:  # converted Linear weights cross as float8; norms, embeddings, output do not
+            gathered = u.shard_numel(s, True) + u.shard_numel(s, False) * BYTES[param_dtype]
+        else:
+            gathered = u.shard_numel(s) * BYTES[param_dtype]
+        passes = 2 if _resharded(reshard_after_forward, i, n_blocks) else 1
+        gather += grad_accum_steps * passes * (s - 1) * gathered
+        grad_shard = u.shard_numel(s) * BYTES[reduce_dtype]
+        reduce_scatter += (s - 1) * grad_shard  # (S-1)/S of the padded full gradient
+        all_reduce += 2 * (r - 1) / r * grad_shard
+    return {
+        "dp_shard": {"all_gather": gather, "reduce_scatter": reduce_scatter},
+        "dp_replicate": {"all_reduce": all_reduce},
+    }
+
+
+def activation_bytes(
+    args: LlamaArgs,
+    tokens: int,
+    param_dtype: str,
+    ac_mode: AcMode = "none",
+    ac_every: int = 1,
+    recompute: bool = True,
+) -> float:
+    """Activations kept for backward per rank, from what this model's ops save; with
+    `recompute`, plus the block being recomputed in backward (the peak under AC).
+
+    Per token and block, no AC keeps ~10·dim + 4·kv_dim + 4·ffn_hidden elements (norm inputs
+    and outputs, q/k/v, attention output, SwiGLU's three hidden tensors); a checkpointed block
+    keeps its input (dim), plus one block's worth alive while it is recomputed; op-level AC keeps
+    the matmul and attention outputs (~5·dim + 2·kv_dim + 2·ffn_hidden) and the block input.
+    SDPA never materializes the attention matrix.
+    """
+    d, kv, h = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden_dim
+    full_block = tokens * (10 * d + 4 * kv + 4 * h) * BYTES[param_dtype]
+    block_input = tokens * d * BYTES[param_dtype]
+    n = args.n_layers
+    if ac_mode == "none":
+        return n * full_block
+    recomputed = full_block if recompute else 0
+    if ac_mode == "op":
+        return n * tokens * (5 * d + 2 * kv + 2 * h) * BYTES[param_dtype] + recomputed
+    checkpointed = n if ac_mode == "full" else math.ceil(n / ac_every)
+    return checkpointed * block_input + (n - checkpointed) * full_block + recomputed
+
+
+def plan_memory(
+    args: LlamaArgs,
     dp_shard: int,
     micro_batch: int,
     seq_len: int,
-    param_dtype: str,
+    param_dtype: str = "bfloat16",
+    ac_mode: AcMode = "none",
+    ac_every: int = 1,
+    reshard_after_forward: Reshard = "default",
 ) -> dict[str, float]:
-    """Bytes per rank for the sharded training state plus the largest transient buffers.
+    """Bytes per rank: the sharded fp32 training state, gathered parameters and activations.
 
-    fp32 master weights, gradients and AdamW's two moments are sharded over dp_shard (HSDP
-    replicas each hold a full copy of their shard group's state). Activations follow
-    Korthikanti et al. (2022) without the attention matrix, which SDPA never materializes:
-    ~34 bytes per token per hidden unit per layer in 16-bit, doubled for float32.
+    Master weights, gradients and AdamW's two moments (plus a 4-byte step per tensor) are
+    float32, sharded over dp_shard (HSDP replicas each hold their shard group's state).
     """
+    units = fsdp_unit_shapes(args)
+    shard = sum(u.shard_numel(dp_shard) for u in units)
+    n_tensors = sum(len(u.shapes) for u in units)
     pbytes = BYTES[param_dtype]
-    per_block = n_params / max(1, args.n_layers)  # rough: blocks dominate the count
     tokens = micro_batch * seq_len
+    root, block = units[-1].numel(), units[0].numel()
+    # The root stays gathered all step; one block computes while the next is prefetched
+    # ('never' keeps every block gathered from its forward to its backward).
+    gathered_blocks = len(units) - 1 if reshard_after_forward == "never" else 2
     return {
-        "params": 4 * n_params / dp_shard,
-        "grads": 4 * n_params / dp_shard,
-        "optimizer": 8 * n_params / dp_shard,
-        # One block gathered for compute plus one being prefetched.
-        "gathered_params": 2 * per_block * pbytes,
-        "activations": 34 * tokens * args.dim * args.n_layers * pbytes / 2,
+        "params": 4 * shard,
+        "grads": 4 * shard,
+        "optimizer": 8 * shard + 4 * n_tensors,
+        "gathered_params": (root + gathered_blocks * block) * pbytes,
+        "activations": activation_bytes(args, tokens, param_dtype, ac_mode, ac_every),
         # Logits in compute dtype plus their float32 copy and its gradient for the loss.
         "logits": tokens * args.vocab_size * (pbytes + 8),
     }
+
+
+def comm_seconds(comm: dict[str, dict[str, float]], shard_bw: float, replicate_bw: float) -> float:
+    """Communication time if nothing overlaps, bandwidths in bytes/s per GPU."""
+    shard = sum(comm["dp_shard"].values()) / shard_bw
+    return shard + sum(comm["dp_replicate"].values()) / replicate_bw
+
+
+def _size(nbytes: float) -> str:
+    unit, scale = ("GiB", 2**30) if nbytes >= 2**30 else ("MiB", 2**20)
+    return f"{nbytes / scale:>18.2f} {unit}"
+
+
+def format_plan(
+    columns: dict[str, tuple[dict[str, float], dict[str, dict[str, float]]]],
+) -> list[str]:
+    """Rows of a table with one column per mesh: memory per GPU, then bytes sent per step."""
+    lines = [f"{'per GPU':<35}" + "".join(f"{name:>22}" for name in columns)]
+    memories = [mem for mem, _ in columns.values()]
+    for key in memories[0]:
+        lines.append(f"  memory: {key:<25}" + "".join(_size(m[key]) for m in memories))
+    totals = "".join(_size(sum(m.values())) for m in memories)
+    lines.append(f"  {'estimated memory per rank':<33}" + totals)
+    for dim, coll in (
+        ("dp_shard", "all_gather"),
+        ("dp_shard", "reduce_scatter"),
+        ("dp_replicate", "all_reduce"),
+    ):
+        row = "".join(_size(comm[dim][coll]) for _, comm in columns.values())
+        lines.append(f"  {f'sent/step: {dim} {coll}':<33}" + row)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="8B", choices=list(FLAVORS))
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (sequences)")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--fp8", action="store_true", help="tensorwise float8 all-gather")
+    p.add_argument("--ac", default="none", choices=["none", "full", "selective", "op"])
+    p.add_argument("--ac-every", type=int, default=2)
+    p.add_argument("--param-dtype", default="bfloat16", choices=list(BYTES))
+    p.add_argument("--reduce-dtype", default="float32", choices=list(BYTES))
+    p.add_argument("--reshard", default="default", choices=["default", "always", "never"])
+    p.add_argument("--intra-bw", type=float, default=900, help="GB/s per GPU inside a node")
+    p.add_argument("--inter-bw", type=float, default=50, help="GB/s per GPU across nodes")
+    p.add_argument("--gpu-mem", type=float, default=80, help="GB per GPU")
+    a = p.parse_args(argv)
+    args = FLAVORS[a.model]
+    world = a.nodes * a.gpus_per_node
+    meshes = {
+        f"FSDP 1x{world}": (1, world),
+        f"HSDP {a.nodes}x{a.gpus_per_node}": (a.nodes, a.gpus_per_node),
+    }
+    columns, seconds = {}, {}
+    for name, (rep, shard) in meshes.items():
+        mem = plan_memory(
+            args, shard, a.batch, a.seq_len, a.param_dtype, a.ac, a.ac_every, a.reshard
+        )
+        comm = plan_communication(
+            args, rep, shard, a.param_dtype, a.reduce_dtype, a.fp8, a.reshard, a.grad_accum
+        )
+        columns[name] = (mem, comm)
+        # A shard group within one node talks over NVLink; spanning nodes, the slow link rules.
+        shard_bw = a.intra_bw if shard <= a.gpus_per_node else a.inter_bw
+        seconds[name] = comm_seconds(comm, shard_bw * 1e9, a.inter_bw * 1e9)
+    n_params = sum(u.numel() for u in fsdp_unit_shapes(args))
+    print(f"Llama {a.model} ({n_params / 1e9:.2f}B parameters) on {a.nodes} x {a.gpus_per_node}")
+    print("\n".join(format_plan(columns)))
+    for name, (mem, _) in columns.items():
+        total = sum(mem.values())
+        fits = "fits" if total <= a.gpu_mem * 1e9 else "does NOT fit"
+        print(f"{name}: {total / 1e9:.1f} GB {fits} in {a.gpu_mem:g} GB; "
+              f"communication {seconds[name]:.2f} s/step if not overlapped")  # fmt: skip
+    best = min(seconds, key=seconds.__getitem__)
+    print(f"faster communication: {best}")
+    fitting = [n for n, (mem, _) in columns.items() if sum(mem.values()) <= a.gpu_mem * 1e9]
+    if fitting:
+        print(f"recommended: {min(fitting, key=seconds.__getitem__)} (the faster one that fits)")
+    else:
+        print("recommended: neither fits; try --ac full, more nodes, or a smaller --batch")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

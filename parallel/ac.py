@@ -1,0 +1,93 @@
+"""Activation checkpointing (AC): trade recomputation in backward for activation memory.
+
+Each transformer block is wrapped in place in `model.layers`, so parameter names only gain a
+`_checkpoint_wrapped_module.` segment: `torch.distributed.checkpoint.state_dict` and
+`model.llama._canonical_name` drop it, so checkpoints and initial weights are the same with AC
+on or off.
+
+Modes (`[ac] mode`):
+
+| mode | what backward keeps per block | recompute |
+|---|---|---|
+| `none` | every activation autograd saves | nothing |
+| `full` | the block's input only | the whole block forward |
+| `selective` | as `full` for every `every`-th block, everything for the others | those blocks |
+| `op` | matmul and attention outputs (the expensive ops) | norms, RoPE, SiLU, products |
+
+Blocks are wrapped with torch's `checkpoint_wrapper`, as torchtitan does: it runs the public
+`torch.utils.checkpoint.checkpoint` (non-reentrant: works with FSDP2's hooks, torch.compile and
+keyword arguments), and it is the wrapper DCP's state-dict helpers and its own `state_dict()`
+hooks know how to strip from names. A home-made wrapper would have to copy those hooks (it lives
+in a `_checkpoint` module, but has been stable and in the FSDP tutorials since torch 2.0).
+`op` is torchtitan's "selective op" AC without its "recompute every other matmul" refinement:
+it keeps all matmul outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from configs import ConfigError
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: Literal["none", "full", "selective", "op"] = "none"
+    """'full' recomputes every block in backward; 'selective' every `every`-th block; 'op'
+    keeps matmul/attention outputs and recomputes the cheap ops of every block."""
+    every: int = 1
+    """With mode='selective': checkpoint blocks 0, every, 2*every, ... (1 = all, as 'full')."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ConfigError(f"ac.every must be >= 1, got {self.every}")
+
+
+def _saved_ops() -> set[Any]:
+    """Ops whose outputs op-level AC keeps: the matmuls and every SDPA kernel (CPU, CUDA)."""
+    aten = torch.ops.aten
+    names = [
+        "mm",
+        "addmm",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    ]
+    # getattr: not every kernel exists in every build (torch 2.11-2.13, CPU or CUDA).
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+
+def _op_policy(saved: set[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> list[str]:
+    """Wrap blocks of `model.layers` (an nn.ModuleDict) in place; returns the wrapped keys.
+
+    Call it before `apply_compile` (compile traces the checkpointed block, recompute included)
+    and before `apply_fsdp` (FSDP's hooks then sit on the wrapper, outside the recomputed
+    region, so a recompute does not all-gather twice).
+    """
+    if cfg.mode == "none":
+        return []
+    wrapped = []
+    for i, (key, block) in enumerate(list(model.layers.items())):
+        if cfg.mode == "selective" and i % cfg.every != 0:
+            continue
+        kwargs = {}
+        if cfg.mode == "op":
+            policy = partial(_op_policy, _saved_ops())
+            kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, policy)
+        # preserve_rng_state=False: the blocks have no dropout, so the recompute needs no RNG
+        # replay (saving and restoring the CUDA RNG state around every block costs time).
+        model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+        wrapped.append(key)
+    return wrapped

@@ -1,0 +1,204 @@
+"""The planner against a real run: the bytes FSDP sends per mesh dimension, the sharded state."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from model.llama import FLAVORS
+from parallel.plan import main, plan_communication, plan_memory
+from tests.distributed import run_distributed
+
+# Ring algorithms: bytes one rank sends for an input of `nbytes` on a group of `size` ranks.
+RING = {
+    "all_gather": lambda nbytes, size: (size - 1) * nbytes,
+    "reduce_scatter": lambda nbytes, size: (size - 1) / size * nbytes,
+    "all_reduce": lambda nbytes, size: 2 * (size - 1) / size * nbytes,
+}
+# FSDP2 calls the *_single collectives in torch 2.13, the *_tensor ones in older releases.
+SPIED = {
+    "all_gather_single": ("all_gather", 1),  # (collective, index of the input argument)
+    "all_gather_into_tensor": ("all_gather", 1),
+    "reduce_scatter_single": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 1),
+    "all_reduce": ("all_reduce", 0),
+}
+
+
+def _local_bytes(t: Any) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def instrumented_step(argv: list[str]) -> dict[str, Any]:
+    """Train one step with every collective spied on; returns the bytes this rank sent per
+    (mesh dim, collective) and its sharded state right after optimizer.step()."""
+    import torch.distributed as dist
+
+    import train
+    from tests.test_train import train_losses
+
+    captured: dict[str, Any] = {}
+    sent: dict[tuple[str, str], float] = {}
+    build_mesh, build_optimizer = train.build_mesh, train.build_optimizer
+
+    def mesh_spy(*args: Any) -> Any:
+        captured["mesh"] = build_mesh(*args)
+        return captured["mesh"]
+
+    def optimizer_spy(model: Any, *args: Any) -> Any:
+        opt = build_optimizer(model, *args)
+
+        def measure(o: Any, *_: Any) -> None:
+            params = list(model.parameters())
+            captured["state"] = {
+                "params": sum(_local_bytes(p) for p in params),
+                "grads": sum(_local_bytes(p.grad) for p in params),
+                "optimizer": sum(_local_bytes(v) for s in o.state.values() for v in s.values()),
+            }
+
+        opt.register_step_post_hook(measure)
+        return opt
+
+    def dim_of(group: Any) -> str:
+        mesh = captured["mesh"]
+        for dim in ("dp_shard", "dp_replicate"):
+            if group is not None and group == mesh[dim].get_group():
+                return dim
+        return "other"  # the trainer's scalar all-reduces on the default group
+
+    originals = {n: getattr(dist, n) for n in SPIED if hasattr(dist, n)}
+    active = [False]  # one public collective may call another: count only the outer one
+
+    def spy(name: str) -> Any:
+        collective, input_index = SPIED[name]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not active[0]:
+                inp = kwargs.get("input", args[input_index] if len(args) > input_index else None)
+                if inp is None:
+                    inp = kwargs["tensor"]
+                group = kwargs.get("group")
+                size = dist.get_world_size(group)
+                key = (dim_of(group), collective)
+                sent[key] = sent.get(key, 0) + RING[collective](_local_bytes(inp), size)
+            active[0] = True
+            try:
+                return originals[name](*args, **kwargs)
+            finally:
+                active[0] = False
+
+        return call
+
+    train.build_mesh, train.build_optimizer = mesh_spy, optimizer_spy
+    for name in originals:
+        setattr(dist, name, spy(name))
+    try:
+        train_losses(argv)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        train.build_mesh, train.build_optimizer = build_mesh, build_optimizer
+    return {"sent": sent, "state": captured["state"]}
+
+
+@pytest.mark.parametrize(
+    ("nodes", "options"),
+    [
+        (1, []),
+        (2, []),
+        (
+            1,
+            ["--parallel.reshard_after_forward=always", "--ac.mode=full", "--model.vocab_size=510"],
+        ),
+        (2, ["--parallel.reshard_after_forward=never", "--ac.mode=op"]),
+        (2, ["--fp8.enabled=true"]),
+    ],
+    ids=["fsdp-1x4", "hsdp-2x2", "fsdp-always-ac", "hsdp-never-op-ac", "hsdp-fp8"],
+)
+def test_planner_matches_instrumented_collectives(
+    tiny_dataset: str, tmp_path: Path, nodes: int, options: list[str]
+) -> None:
+    """4 gloo ranks, one optimizer step of 2 micro-batches (bf16 gathers, fp32 reduction):
+    bytes per mesh dim within 1% of the planner; sharded state within 10% of its estimate."""
+    from configs import parse_config
+    from model.llama import build_args
+    from tests.test_train import TINY
+    from train import JobConfig
+
+    argv = [
+        f"--data.path={tiny_dataset}",
+        f"--run.output_dir={tmp_path}",
+        *TINY,
+        "--train.steps=1",
+        "--train.micro_batch_size=1",  # global batch 8 on 4 ranks: 2 micro-batches each
+        *options,
+    ]
+    if nodes > 1:
+        argv.append(f"--parallel.dp_replicate={nodes}")
+    if "--fp8.enabled=true" in options:
+        pytest.importorskip("torchao", reason="fp8 extra not installed")
+    results = run_distributed(instrumented_step, 4, argv, nodes=nodes)
+    job = parse_config(JobConfig, argv)
+    args, rep, shard = build_args(job.model), nodes, 4 // nodes
+    p = job.parallel
+    planned = plan_communication(
+        args, rep, shard, p.param_dtype, p.reduce_dtype,
+        fp8=job.fp8.enabled, reshard_after_forward=p.reshard_after_forward, grad_accum_steps=2,
+    )  # fmt: skip
+    for result in results:
+        sent = result["sent"]
+        for dim, collectives in planned.items():
+            for collective, expected in collectives.items():
+                measured = sent.get((dim, collective), 0)
+                assert measured == pytest.approx(expected, rel=0.01), (dim, collective, sent)
+    mem = plan_memory(args, shard, 1, job.data.seq_len, p.param_dtype)
+    for result in results:
+        for key, measured in result["state"].items():
+            assert measured == pytest.approx(mem[key], rel=0.10), (key, result["state"], mem)
+
+
+def test_planner_counts_passes_and_ring_factors() -> None:
+    """Closed forms on 8B: FSDP gathers (N-1)/N of the bf16 weights per pass (the root once,
+    every block twice but the last); HSDP all-reduces 2(R-1)/R of its fp32 gradient shard."""
+    args = FLAVORS["8B"]
+    fsdp = plan_communication(args, 1, 128)
+    hsdp = plan_communication(args, 16, 8)
+    root = 2 * args.vocab_size * args.dim + args.dim  # embeddings, output, final norm
+    kv = args.n_kv_heads * args.head_dim
+    block = 2 * args.dim * (args.dim + kv) + 3 * args.dim * args.ffn_hidden_dim + 2 * args.dim
+    passes = root + block * (2 * args.n_layers - 1)
+    assert fsdp["dp_shard"]["all_gather"] == pytest.approx(127 / 128 * passes * 2, rel=1e-6)
+    assert hsdp["dp_shard"]["all_gather"] == pytest.approx(7 / 8 * passes * 2, rel=1e-6)
+    n = root + block * args.n_layers
+    assert hsdp["dp_shard"]["reduce_scatter"] == pytest.approx(7 / 8 * n * 4, rel=1e-6)
+    assert hsdp["dp_replicate"]["all_reduce"] == pytest.approx(2 * 15 / 16 * n / 8 * 4, rel=1e-6)
+    assert fsdp["dp_replicate"]["all_reduce"] == 0
+    assert math.isclose(n, 8.03e9, rel_tol=0.01)
+    fp8 = plan_communication(args, 16, 8, fp8=True)
+    assert fp8["dp_shard"]["all_gather"] < 0.6 * hsdp["dp_shard"]["all_gather"]
+    assert fp8["dp_shard"]["reduce_scatter"] == hsdp["dp_shard"]["reduce_scatter"]
+
+
+def test_activation_estimate_shrinks_with_ac() -> None:
+    args = FLAVORS["8B"]
+    act = {m: plan_memory(args, 8, 1, 8192, ac_mode=m, ac_every=2)["activations"] for m in
+           ("none", "op", "selective", "full")}  # fmt: skip
+    assert act["none"] > act["op"] > act["full"] and act["none"] > act["selective"] > act["full"]
+
+
+def test_cli_compares_fsdp_and_hsdp(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "8B", "--nodes", "16", "--gpus-per-node", "8", "--ac", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "FSDP 1x128" in out and "HSDP 16x8" in out
+    assert "dp_replicate all_reduce" in out and "estimated memory per rank" in out
+    assert "faster communication: HSDP 16x8" in out  # gathers stay on the 900 GB/s links
+    assert "fits in 80 GB" in out
+    assert "recommended: HSDP 16x8" in out
+    main(["--model", "70B", "--nodes", "8", "--gpus-per-node", "8", "--ac", "full"])
+    out = capsys.readouterr().out
+    assert "HSDP 8x8: 173.3 GB does NOT fit" in out  # the 70B state needs > 1 node of shards
+    assert "faster communication: HSDP 8x8" in out and "recommended: FSDP 1x64" in out
