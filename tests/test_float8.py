@@ -230,3 +230,18 @@ def test_fp8_gradient_accumulation_matches_one_large_batch(
     )[0]
     # float8 scales are per tensor of each micro-batch, so the casts differ slightly.
     torch.testing.assert_close(torch.tensor(accum), torch.tensor(large), rtol=5e-3, atol=0)
+
+
+@pytest.mark.slow
+def test_fp8_with_activation_checkpointing_and_compile(tiny_dataset: str, tmp_path: Path) -> None:
+    """FP8 composes with full AC and per-block torch.compile (inductor on CPU)."""
+    from tests.test_train import train_losses
+
+    fp8 = ["--train.steps=2", "--fp8.enabled=true", "--parallel.param_dtype=float32"]
+    eager = run_distributed(train_losses, 1, _argv(tiny_dataset, tmp_path / "a", *fp8))[0]
+    combined = run_distributed(
+        train_losses, 1,
+        _argv(tiny_dataset, tmp_path / "b", *fp8, "--ac.mode=full", "--compile.enabled=true"),
+        timeout=600,
+    )[0]  # fmt: skip
+    torch.testing.assert_close(torch.tensor(combined), torch.tensor(eager), rtol=1e-3, atol=0)
