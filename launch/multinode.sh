@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Several nodes without Slurm: run the same command on every node (see RDZV_BACKEND for NODE_RANK).
+#   NNODES=2 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 NPROC=8 \
+#       ./launch/multinode.sh configs/llama3_8b.toml --parallel.mesh=auto
+# MASTER_ADDR:MASTER_PORT is the rendezvous endpoint, an address of node 0 every node can reach.
+# With parallel.mesh=auto the run is HSDP: dp_replicate = NNODES, dp_shard = NPROC.
+#
+# Optional:
+#   NPROC          processes per node (default: the visible GPUs, or 1 without a GPU)
+#   RDZV_BACKEND   c10d (default): nodes join in any order and ranks are assigned at
+#                  rendezvous, NODE_RANK is not needed; static: NODE_RANK (0..NNODES-1) fixes
+#                  the ranks and node 0 hosts the store at MASTER_ADDR:MASTER_PORT
+#   RDZV_ID        job id shared by the nodes of one run (default: fsdp2)
+#   MAX_RESTARTS   times torchrun restarts all workers after a failure (default 0); each restart
+#                  resumes from the latest checkpoint (checkpoint.resume=auto), so set
+#                  --checkpoint.interval
+#   TORCHRUN       the torchrun command (default: torchrun from PATH)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+: "${NNODES:?set NNODES (number of nodes)}"
+: "${MASTER_ADDR:?set MASTER_ADDR (address of node 0, reachable from every node)}"
+MASTER_PORT=${MASTER_PORT:-29500}
+RDZV_BACKEND=${RDZV_BACKEND:-c10d}
+TORCHRUN=${TORCHRUN:-torchrun}
+if [[ -z "${NPROC:-}" ]]; then
+    NPROC=$(python -c 'import torch; print(torch.cuda.device_count() or 1)')
+fi
+# See torchrun.sh: share this node's cores between its processes.
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+    OMP_NUM_THREADS=$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))
+    export OMP_NUM_THREADS
+fi
+
+# After a restart (MAX_RESTARTS), torchrun's c10d rendezvous hands the new workers the store
+# of the first round, stale keys included: gloo then dials the dead workers' ports. With this
+# set, each round gets a fresh store hosted by its rank 0.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+
+case "$RDZV_BACKEND" in
+    c10d) rdzv=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
+                --rdzv-id="${RDZV_ID:-fsdp2}") ;;
+    static) rdzv=(--node-rank="${NODE_RANK:?set NODE_RANK (0..NNODES-1) for static rendezvous}"
+                  --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT") ;;
+    *) echo "RDZV_BACKEND must be c10d or static, got '$RDZV_BACKEND'" >&2; exit 2 ;;
+esac
+
+# $TORCHRUN unquoted on purpose: it may be a command with arguments
+# (python -m torch.distributed.run).
+exec $TORCHRUN --nnodes="$NNODES" --nproc-per-node="$NPROC" \
+    "${rdzv[@]}" --max-restarts="${MAX_RESTARTS:-0}" train.py "$@"
