@@ -339,6 +339,7 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
     )
     losses: list[float] = []
     timer = Timer(device)
+    keep_gathered = job.parallel.reshard_after_forward == "never" and plan.grad_accum_steps > 1
 
     for step in range(progress.step + 1, t.steps + 1):
         # All micro-batches up front: their target count fixes the loss normalization.
@@ -352,9 +353,15 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
 
         loss_sum = torch.zeros((), device=device)
         for i, (inputs, targets) in enumerate(micro_batches):
+            last = i == plan.grad_accum_steps - 1
             # Reduce-scatter (and the HSDP all-reduce) only after the last micro-batch;
             # earlier ones accumulate unsharded gradients locally, with no communication.
-            model.set_requires_gradient_sync(i == plan.grad_accum_steps - 1)
+            model.set_requires_gradient_sync(last)
+            if keep_gathered:
+                # 'never' holds every block's gathered parameters at the end of forward
+                # anyway: keeping them between micro-batches too adds nothing to the peak
+                # and saves an all-gather per block and micro-batch.
+                model.set_reshard_after_backward(last)
             loss = summed_loss(model, inputs, targets) / global_tokens
             # FSDP averages gradients over the dp ranks; our loss is already a global mean,
             # so scale by dp_size to turn that average into the sum we want.

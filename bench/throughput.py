@@ -157,7 +157,7 @@ def torchrun(nproc: int) -> list[str]:
 
 
 def throughput_case(case: str, world: int, opts: Namespace) -> dict:
-    args = {"debug": DEBUG, "100m": M100, "titan": TITAN}[case]
+    args = [*{"debug": DEBUG, "100m": M100, "titan": TITAN}[case], *opts.train_args]
     # As launch/torchrun.sh: share the cores between the ranks, at least one thread each.
     threads = opts.threads or max(1, (os.cpu_count() or 1) // world)
     result = run_once(case, f"{case}-ws{world}", torchrun(world), args, threads, opts)
@@ -175,7 +175,8 @@ def ratio_case(dtype: str, opts: Namespace) -> dict:
     plain_cmd = [sys.executable, "bench/plain_loop.py", f"--bf16={opts.bf16_baseline}"]
     pairs = []
     for i in range(opts.pairs):
-        fsdp = run_once("ratio", f"ratio-{dtype}-fsdp2-{i}", fsdp_cmd, args, threads, opts)
+        fsdp_args = [*args, *opts.train_args]  # the plain loop has no FSDP options
+        fsdp = run_once("ratio", f"ratio-{dtype}-fsdp2-{i}", fsdp_cmd, fsdp_args, threads, opts)
         plain = run_once("ratio", f"ratio-{dtype}-plain-{i}", plain_cmd, args, threads, opts)
         # Same tokens per step, so step-time ratio = inverse throughput ratio.
         pairs.append({"fsdp2": fsdp, "plain": plain, "ratio": plain["tok_s"] / fsdp["tok_s"]})
@@ -283,10 +284,17 @@ def parse_args(argv: list[str] | None) -> Namespace:
     )
     p.add_argument("--threads", type=int, help="OMP threads per rank (default: cores // ranks)")
     p.add_argument("--quick", action="store_true", help="2 short steps, 1 pair: harness check")
+    p.add_argument(
+        "--train-args",
+        default="",
+        help="extra train.py overrides for every trainer run, e.g. "
+        "'--compile.enabled=true --parallel.reshard_after_forward=never'",
+    )
     p.add_argument("--out", type=Path, default=Path("outputs/bench/throughput.json"))
     opts = p.parse_args(argv)
     opts.out = opts.out.resolve()
     opts.cases = opts.cases.split(",")
+    opts.train_args = shlex.split(opts.train_args)
     if unknown := set(opts.cases) - set(CASES):
         p.error(f"unknown cases {sorted(unknown)}; choose from {CASES}")
     opts.pairs = 1 if opts.quick else opts.pairs

@@ -13,7 +13,9 @@ real run within 1%):
   output), dim 0 padded to a multiple of dp_shard, as FSDP2 does.
 - Each micro-batch all-gathers every unit in forward, and again in backward if the unit was
   resharded after forward (`parallel.reshard_after_forward`: by default every block but the last;
-  never the root). AC recompute happens while the unit is gathered: no extra all-gather.
+  never the root). With 'never', units stay gathered from the first micro-batch's forward to
+  the last one's backward: one all-gather per unit and step. AC recompute happens while the
+  unit is gathered: no extra all-gather.
 - Only the last micro-batch of a step reduces gradients: a reduce-scatter in `reduce_dtype`
   inside the shard group, then (HSDP) an all-reduce of the shard across replicas.
 - fp8 (tensorwise) all-gathers converted Linear weights as 1 byte per element.
@@ -112,7 +114,9 @@ def plan_communication(
         else:
             gathered = u.shard_numel(s) * BYTES[param_dtype]
         passes = 2 if _resharded(reshard_after_forward, i, n_blocks) else 1
-        gather += grad_accum_steps * passes * (s - 1) * gathered
+        if reshard_after_forward != "never":  # 'never' keeps units gathered for the whole step
+            passes *= grad_accum_steps
+        gather += passes * (s - 1) * gathered
         grad_shard = u.shard_numel(s) * BYTES[reduce_dtype]
         reduce_scatter += (s - 1) * grad_shard  # (S-1)/S of the padded full gradient
         all_reduce += 2 * (r - 1) / r * grad_shard
