@@ -1,6 +1,6 @@
 """FSDP vs HSDP weak scaling on a simulated cluster: 1, 2 and 4 "nodes" on this one machine.
 
-    sudo python bench/scaling.py               # ~20 min on 2 cores; writes docs/scaling.png
+    sudo python bench/scaling.py               # ~8 min on 2 cores; writes docs/scaling.png
     python bench/scaling.py --plot-only        # redraw the plot from the last JSON
 
 Each node is a network namespace with its own address, joined to the others through a bridge

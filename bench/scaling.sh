@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole FSDP-vs-HSDP study of docs/scaling.md, ~40 minutes on 2 idle cores, as root:
+# The whole FSDP-vs-HSDP study of docs/scaling.md, ~30 minutes on 2 idle cores, as root:
 #   sudo bench/scaling.sh
 # 1. one 128-token sequence per rank and step, links at 1 Gbit/s   -> docs/scaling.png
 # 2. the same with 4 micro-batches per step (4x compute per step)   -> docs/scaling_accum4.png
