@@ -50,11 +50,12 @@ HUB = f"{PREFIX}-hub"
 # twice that; the study predicts the wire bytes of the backend it runs on.
 GLOO_RS_FACTOR = 2
 # A model where a step's traffic is a few hundred MB on 2 cores: dim 512, 8 layers = 29.4M
-# parameters; per rank one 128-token sequence per step. Data-center nodes pair ~100x more
-# compute with ~100x more bandwidth, so this keeps their balance of compute and communication.
+# parameters; per rank one SEQ_LEN-token sequence per micro-batch. Compute time and link time
+# per step are then of the same order, as on real clusters (docs/scaling.md works it out).
+SEQ_LEN = 128
 MODEL = [
     "configs/debug.toml", "--model.dim=512", "--model.n_layers=8", "--model.n_heads=8",
-    "--model.n_kv_heads=8", "--data.seq_len=128", "--train.micro_batch_size=1",
+    "--model.n_kv_heads=8", f"--data.seq_len={SEQ_LEN}", "--train.micro_batch_size=1",
     # The GPU default: bf16 parameters (all-gathers) and fp32 gradient reduction.
     "--parallel.param_dtype=bfloat16", "--parallel.reduce_dtype=float32",
     "--train.eval_interval=0", "--metrics.tensorboard=false",
@@ -268,7 +269,7 @@ def predicted_link_bytes(nodes: int, mode: str, nproc: int, grad_accum: int) -> 
 def predict(results: list[dict], link_mb_s: float, nproc: int, grad_accum: int) -> None:
     """Add the planner's link bytes and the tok/s they imply, from the 1-node step time."""
     base = next(r for r in results if r["nodes"] == 1)
-    tokens_per_rank = 128 * grad_accum  # MODEL: 128-token sequences, one per micro-batch
+    tokens_per_rank = SEQ_LEN * grad_accum  # one sequence per micro-batch
     t1 = base["ranks"] * tokens_per_rank / base["tok_s"]
     for r in results:
         link = predicted_link_bytes(r["nodes"], r["mode"], nproc, grad_accum)
@@ -325,7 +326,7 @@ def plot(report: dict, path: Path) -> None:
         xlabel="nodes", ylabel="tokens/s (all ranks)", xticks=nodes,
         title=f"Weak scaling: {m['nproc']} ranks/node, {m['node_cores']} cores/node, "
         f"links {m['rate']} ({m['link_mb_s']:.0f} MB/s), "
-        f"{128 * m.get('grad_accum', 1)} tokens/rank/step",
+        f"{SEQ_LEN * m.get('grad_accum', 1)} tokens/rank/step",
     )  # fmt: skip
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
