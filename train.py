@@ -54,6 +54,7 @@ from parallel.metrics import (
     Timer,
     memory_stats,
     peak_tflops,
+    profile_step,
 )
 from parallel.plan import format_plan, plan_communication, plan_memory
 from parallel.runtime import (
@@ -351,37 +352,39 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
         global_tokens = sum((y != -100).sum() for _, y in micro_batches).float()
         dist.all_reduce(global_tokens)
 
-        loss_sum = torch.zeros((), device=device)
-        for i, (inputs, targets) in enumerate(micro_batches):
-            last = i == plan.grad_accum_steps - 1
-            # Reduce-scatter (and the HSDP all-reduce) only after the last micro-batch;
-            # earlier ones accumulate unsharded gradients locally, with no communication.
-            model.set_requires_gradient_sync(last)
-            if keep_gathered:
-                # 'never' holds every block's gathered parameters at the end of forward
-                # anyway: keeping them between micro-batches too adds nothing to the peak
-                # and saves an all-gather per block and micro-batch.
-                model.set_reshard_after_backward(last)
-            loss = summed_loss(model, inputs, targets) / global_tokens
-            # FSDP averages gradients over the dp ranks; our loss is already a global mean,
-            # so scale by dp_size to turn that average into the sum we want.
-            (loss * dp_size).backward()
-            loss_sum += loss.detach()
+        # One step (by default none) under torch.profiler: see metrics.profile_step.
+        with profile_step(job.metrics, step, run_dir, env.rank):
+            loss_sum = torch.zeros((), device=device)
+            for i, (inputs, targets) in enumerate(micro_batches):
+                last = i == plan.grad_accum_steps - 1
+                # Reduce-scatter (and the HSDP all-reduce) only after the last micro-batch;
+                # earlier ones accumulate unsharded gradients locally, with no communication.
+                model.set_requires_gradient_sync(last)
+                if keep_gathered:
+                    # 'never' holds every block's gathered parameters at the end of forward
+                    # anyway: keeping them between micro-batches too adds nothing to the peak
+                    # and saves an all-gather per block and micro-batch.
+                    model.set_reshard_after_backward(last)
+                loss = summed_loss(model, inputs, targets) / global_tokens
+                # FSDP averages gradients over the dp ranks; our loss is already a global mean,
+                # so scale by dp_size to turn that average into the sum we want.
+                (loss * dp_size).backward()
+                loss_sum += loss.detach()
 
-        grad_norm = clip_grad_norm(model, t.max_grad_norm)
-        dist.all_reduce(loss_sum)
-        loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
-        if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
-            optimizer.step()
-            precompute_float8_scales(model, job.fp8)  # no-op unless fp8 tensorwise
-        elif t.on_nonfinite == "error":
-            raise NonFiniteError(
-                f"step {step}: loss {loss_value}, grad norm {grad_norm_value}; stopping "
-                "(set train.on_nonfinite='skip' to skip such steps instead)"
-            )
-        elif is_rank0:
-            logger.warning("step %d: non-finite loss/grad norm, update skipped", step)
-        optimizer.zero_grad(set_to_none=True)
+            grad_norm = clip_grad_norm(model, t.max_grad_norm)
+            dist.all_reduce(loss_sum)
+            loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
+            if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
+                optimizer.step()
+                precompute_float8_scales(model, job.fp8)  # no-op unless fp8 tensorwise
+            elif t.on_nonfinite == "error":
+                raise NonFiniteError(
+                    f"step {step}: loss {loss_value}, grad norm {grad_norm_value}; stopping "
+                    "(set train.on_nonfinite='skip' to skip such steps instead)"
+                )
+            elif is_rank0:
+                logger.warning("step %d: non-finite loss/grad norm, update skipped", step)
+            optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         losses.append(loss_value)

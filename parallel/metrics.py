@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,12 +34,17 @@ class MetricsConfig:
     """First steps left out of throughput averages (lazy init, allocator warm-up, compile)."""
     peak_tflops: float | None = None
     """Peak TFLOP/s per device for MFU; default: looked up for known GPUs, none on CPU."""
+    profile_step: int = 0
+    """Profile this step (0 = never) with torch.profiler on every rank: a Chrome trace and a
+    table of the costliest ops per rank under <run dir>/profile/."""
 
     def __post_init__(self) -> None:
         from configs import ConfigError
 
-        if self.log_interval < 1 or self.warmup_steps < 0:
-            raise ConfigError("metrics: log_interval must be >= 1 and warmup_steps >= 0")
+        if self.log_interval < 1 or self.warmup_steps < 0 or self.profile_step < 0:
+            raise ConfigError(
+                "metrics: log_interval must be >= 1, warmup_steps and profile_step >= 0"
+            )
 
 
 def peak_tflops(
@@ -157,6 +164,31 @@ def format_scalars(scalars: dict[str, float]) -> str:
         if name in scalars:
             parts.append(f"{short} {fmt.format(scalars[name])}")
     return "  ".join(parts)
+
+
+@contextlib.contextmanager
+def profile_step(cfg: MetricsConfig, step: int, run_dir: Path, rank: int) -> Iterator[None]:
+    """Run the body under torch.profiler when `step` is `cfg.profile_step`, else do nothing.
+
+    Every rank writes its own files: on a slow step the rank that waits in a collective and
+    the rank that is late tell different stories.
+    """
+    if step != cfg.profile_step:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        yield
+    out = run_dir / "profile"
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out / f"step{step}_rank{rank}.json"))
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=40)
+    (out / f"step{step}_rank{rank}.txt").write_text(table + "\n")
+    if rank == 0:
+        logger.info("profile of step %d written to %s", step, out)
 
 
 class Timer:

@@ -91,6 +91,22 @@ def test_rerun_is_bitwise_deterministic(tiny_dataset: str, tmp_path: Path) -> No
     assert first == second
 
 
+def test_profile_step_writes_trace_and_table_per_rank(tiny_dataset: str, tmp_path: Path) -> None:
+    """metrics.profile_step=2 profiles step 2 on both ranks and leaves the losses unchanged."""
+    steps = ["--train.steps=3", "--train.micro_batch_size=2"]
+    plain = run(tiny_dataset, tmp_path / "plain", 2, 1, FP32 + steps)
+    profiled = run(tiny_dataset, tmp_path, 2, 1, FP32 + steps + ["--metrics.profile_step=2"])
+    assert profiled == plain
+    out = tmp_path / "debug" / "profile"
+    assert sorted(p.name for p in out.iterdir()) == [
+        f"step2_rank{r}.{ext}" for r in (0, 1) for ext in ("json", "txt")
+    ]
+    for rank in (0, 1):
+        table = (out / f"step2_rank{rank}.txt").read_text()
+        assert "aten::mm" in table and "FSDP::all_gather" in table
+        assert '"traceEvents"' in (out / f"step2_rank{rank}.json").read_text()
+
+
 def test_golden_losses_debug_model(tiny_dataset: str, tmp_path: Path) -> None:
     """The debug flavor's first 20 losses match the stored golden file.
 
