@@ -1,0 +1,100 @@
+"""model/attention.py against SDPA: same outputs and gradients, in float64 to rounding.
+
+The block sizes are shrunk in some cases so that a short sequence still spans several query
+blocks and head chunks (including ragged last ones), the paths a real run takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model.attention as attention
+from model.attention import chunked_causal_attention
+from model.llama import LlamaArgs, Transformer
+
+
+def _attend(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "seq", "head_dim", "rows", "elements"),
+    [
+        (4, 4, 64, 16, 128, 1 << 21),  # one block: all heads, all rows
+        (4, 4, 50, 8, 16, 16 * 50),  # 4 query blocks (the last ragged), one head per chunk
+        (6, 2, 37, 16, 8, 3 * 8 * 37),  # GQA, 5 query blocks, chunks of 3 heads over 12
+        (3, 1, 19, 4, 4, 2 * 4 * 19),  # multi-query, head chunks that do not divide 6
+    ],
+)
+def test_matches_sdpa_in_float64(monkeypatch, heads, kv_heads, seq, head_dim, rows, elements):
+    monkeypatch.setattr(attention, "QUERY_ROWS", rows)
+    monkeypatch.setattr(attention, "BLOCK_ELEMENTS", elements)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, seq, head_dim, generator=gen, dtype=torch.float64)
+    k, v = (
+        torch.randn(2, kv_heads, seq, head_dim, generator=gen, dtype=torch.float64) for _ in "kv"
+    )
+    dout = torch.randn_like(q)
+    got = _attend(chunked_causal_attention, q, k, v, dout)
+    want = _attend(_sdpa, q, k, v, dout)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert g.shape == w.shape, name
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_bf16_error_is_sdpa_sized():
+    """In bf16 both round; ours must not drift further from the float64 truth than SDPA's."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(2, 4, 256, 16, generator=gen, dtype=torch.float64) for _ in "qkvd")
+    truth = _attend(_sdpa, q, k, v, dout)
+    bf16 = [t.bfloat16() for t in (q, k, v, dout)]
+    ours = _attend(chunked_causal_attention, *bf16)
+    sdpa = _attend(_sdpa, *bf16)
+    for name, t, o, s in zip(("out", "dq", "dk", "dv"), truth, ours, sdpa, strict=True):
+        err_ours = (o.double() - t).norm() / t.norm()
+        err_sdpa = (s.double() - t).norm() / t.norm()
+        assert err_ours < 2 * err_sdpa + 1e-3, f"{name}: {err_ours:.2e} vs SDPA {err_sdpa:.2e}"
+
+
+def test_model_option_changes_only_the_kernel():
+    """model.attention='chunked' gives the same logits and gradients as 'sdpa' (fp64)."""
+    args = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32)
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(2))
+    results = []
+    for impl in ("sdpa", "chunked"):
+        model = Transformer(replace(args, attention=impl))
+        model.init_weights(seed=0, rope_len=24)
+        model.double()
+        logits = model(tokens)
+        logits.square().mean().backward()
+        results.append((logits.detach(), [p.grad for p in model.parameters()]))
+    (sdpa_logits, sdpa_grads), (ours_logits, ours_grads) = results
+    torch.testing.assert_close(ours_logits, sdpa_logits, rtol=1e-10, atol=1e-12)
+    for ours, sdpa in zip(ours_grads, sdpa_grads, strict=True):
+        torch.testing.assert_close(ours, sdpa, rtol=1e-9, atol=1e-12)
+
+
+def test_compiles_without_graph_breaks():
+    """compile.enabled compiles each block with fullgraph=True, so attention must trace whole."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 40, 8, generator=gen)
+    k, v = (torch.randn(2, 2, 40, 8, generator=gen) for _ in "kv")
+    dout = torch.randn_like(q)
+    compiled = torch.compile(chunked_causal_attention, fullgraph=True)
+    got = _attend(compiled, q, k, v, dout)
+    want = _attend(_sdpa, q, k, v, dout)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=name)
