@@ -16,9 +16,9 @@ Use it for bf16 on CPU (bench/attention.py): in fp32 the flash kernel is faster,
 SDPA's fused kernels are far ahead of anything built from separate ops.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: torch.library reads the custom ops' signatures.
 import torch
+from torch.autograd.function import FunctionCtx
 
 # Size of one (heads x query rows x keys) score block: 2M bf16 values (4 MiB, within L3) in
 # blocks of 128 query rows measured fastest on the debug shape among 1-128 heads x 64-512 rows.
@@ -32,7 +32,7 @@ def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:  # each kv head serves n_rep query heads; autograd sums their gradients
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    return _ChunkedCausalAttention.apply(q, k, v)
+    return _attention(q, k, v)
 
 
 def _blocks(n_heads: int, seq: int) -> list[tuple[slice, int, int]]:
@@ -61,39 +61,66 @@ def _causal_mask(seq: int, like: torch.Tensor) -> torch.Tensor:
     )
 
 
-class _ChunkedCausalAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        shape, seq, head_dim = q.shape, q.shape[-2], q.shape[-1]
-        # (batch * heads, seq, head_dim): one batch dimension for bmm.
-        q3, k3, v3 = (t.reshape(-1, seq, head_dim) for t in (q, k, v))
-        mask = _causal_mask(seq, q)
-        out = torch.empty_like(q3)
-        for heads, r0, r1 in _blocks(q3.shape[0], seq):
-            p = _probs(q3[heads], k3[heads], mask, r0, r1)
-            out[heads, r0:r1] = torch.bmm(p, v3[heads, :r1])
-        ctx.save_for_backward(q3, k3, v3, out)
-        ctx.shape = shape
-        return out.view(shape)
+# The forward and backward are custom ops, opaque to torch.compile: traced into, the block loop
+# became one graph of separate matmuls and copies that ran slower than eager (BENCHMARKS.md).
+# As ops, compiled blocks fuse everything around attention and call these as they are.
+@torch.library.custom_op("fsdp2_trainer::chunked_attention", mutates_args=())
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    seq, head_dim = q.shape[-2:]
+    # (batch * heads, seq, head_dim): one batch dimension for bmm.
+    q3, k3, v3 = (t.reshape(-1, seq, head_dim) for t in (q, k, v))
+    mask = _causal_mask(seq, q)
+    out = torch.empty_like(q3)
+    for heads, r0, r1 in _blocks(q3.shape[0], seq):
+        p = _probs(q3[heads], k3[heads], mask, r0, r1)
+        out[heads, r0:r1] = torch.bmm(p, v3[heads, :r1])
+    return out.view(q.shape)
 
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        q3, k3, v3, out = ctx.saved_tensors
-        seq, head_dim = q3.shape[-2:]
-        scale = head_dim**-0.5
-        dout3 = dout.reshape(-1, seq, head_dim)
-        # rowsum(dout * out) = rowsum(p * dp): the softmax backward's correction term, summed
-        # in at least fp32.
-        acc = torch.promote_types(q3.dtype, torch.float32)
-        delta = (dout3.to(acc) * out.to(acc)).sum(-1, keepdim=True).to(q3.dtype)
-        mask = _causal_mask(seq, q3)
-        dq = torch.empty_like(q3)
-        dk, dv = torch.zeros_like(k3), torch.zeros_like(v3)
-        for heads, r0, r1 in _blocks(q3.shape[0], seq):
-            q, k, v, do = q3[heads], k3[heads], v3[heads], dout3[heads, r0:r1]
-            p = _probs(q, k, mask, r0, r1)
-            dv[heads, :r1].baddbmm_(p.transpose(1, 2), do)
-            ds = torch.bmm(do, v[:, :r1].transpose(1, 2)).sub_(delta[heads, r0:r1]).mul_(p)
-            dq[heads, r0:r1] = torch.bmm(ds, k[:, :r1]).mul_(scale)
-            dk[heads, :r1].baddbmm_(ds.transpose(1, 2), q[:, r0:r1], alpha=scale)
-        return dq.view(ctx.shape), dk.view(ctx.shape), dv.view(ctx.shape)
+
+@torch.library.custom_op("fsdp2_trainer::chunked_attention_backward", mutates_args=())
+def _attention_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    seq, head_dim = q.shape[-2:]
+    scale = head_dim**-0.5
+    q3, k3, v3, out3, dout3 = (t.reshape(-1, seq, head_dim) for t in (q, k, v, out, dout))
+    # rowsum(dout * out) = rowsum(p * dp): the softmax backward's correction term, summed
+    # in at least fp32.
+    acc = torch.promote_types(q.dtype, torch.float32)
+    delta = (dout3.to(acc) * out3.to(acc)).sum(-1, keepdim=True).to(q.dtype)
+    mask = _causal_mask(seq, q)
+    dq = torch.empty_like(q3)
+    dk, dv = torch.zeros_like(k3), torch.zeros_like(v3)
+    for heads, r0, r1 in _blocks(q3.shape[0], seq):
+        q_, k_, v_, do = q3[heads], k3[heads], v3[heads], dout3[heads, r0:r1]
+        p = _probs(q_, k_, mask, r0, r1)
+        dv[heads, :r1].baddbmm_(p.transpose(1, 2), do)
+        ds = torch.bmm(do, v_[:, :r1].transpose(1, 2)).sub_(delta[heads, r0:r1]).mul_(p)
+        dq[heads, r0:r1] = torch.bmm(ds, k_[:, :r1]).mul_(scale)
+        dk[heads, :r1].baddbmm_(ds.transpose(1, 2), q_[:, r0:r1], alpha=scale)
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
+# Shapes for tracing: every output is a new contiguous tensor shaped like its input.
+@_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+@_attention_backward.register_fake
+def _(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save_inputs_and_output(ctx: FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs, output)
+
+
+def _backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    q, k, v, out = ctx.saved_tensors
+    return _attention_backward(dout, q, k, v, out)
+
+
+_attention.register_autograd(_backward, setup_context=_save_inputs_and_output)

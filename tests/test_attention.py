@@ -98,3 +98,14 @@ def test_compiles_without_graph_breaks():
     want = _attend(_sdpa, q, k, v, dout)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_custom_op_registration_is_consistent():
+    """opcheck: schema, fake (meta) shapes and autograd registration agree with the kernels."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 24, 8, generator=gen, requires_grad=True) for _ in "qkv")
+    torch.library.opcheck(attention._attention, (q, k, v))
+    # No double backward: the backward op is checked on inputs that do not require grad.
+    q, k, v = (t.detach() for t in (q, k, v))
+    out = attention._attention(q, k, v)
+    torch.library.opcheck(attention._attention_backward, (torch.randn_like(out), q, k, v, out))
