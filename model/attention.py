@@ -55,10 +55,7 @@ def _probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, r0: int, r1: in
 
 def _causal_mask(seq: int, like: torch.Tensor) -> torch.Tensor:
     """Additive mask: 0 where a query may see a key, -inf above the diagonal."""
-    above = torch.ones(seq, seq, dtype=torch.bool, device=like.device).triu(1)
-    return torch.zeros(seq, seq, dtype=like.dtype, device=like.device).masked_fill(
-        above, float("-inf")
-    )
+    return torch.full((seq, seq), float("-inf"), dtype=like.dtype, device=like.device).triu(1)
 
 
 # The forward and backward are custom ops, opaque to torch.compile: traced into, the block loop

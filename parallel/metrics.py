@@ -176,15 +176,16 @@ def profile_step(cfg: MetricsConfig, step: int, run_dir: Path, rank: int) -> Ite
     if step != cfg.profile_step:
         yield
         return
+    on_gpu = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
+    if on_gpu:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         yield
     out = run_dir / "profile"
     out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(out / f"step{step}_rank{rank}.json"))
-    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=40)
     (out / f"step{step}_rank{rank}.txt").write_text(table + "\n")
     if rank == 0:
