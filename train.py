@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -494,6 +495,10 @@ def setup_logging(rank: int) -> None:
     )
 
 
+# Seconds the other ranks wait before exiting on an error that rank 0 reports.
+REPORT_GRACE_S = 2.0
+
+
 def main(argv: list[str] | None = None) -> int:
     env = LaunchEnv.from_env()
     setup_logging(env.rank)
@@ -507,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         if env.rank == 0:
             logger.error("config error: %s", err)
+        else:
+            # torchrun stops all ranks when the first one exits: give rank 0 time to report.
+            time.sleep(REPORT_GRACE_S)
         return 2
     if job.dry_run:
         if env.rank == 0:
@@ -517,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as err:
         if env.rank == 0:
             logger.error("%s", err)
+        else:
+            time.sleep(REPORT_GRACE_S)  # as above
         return 1
     return 0
 
