@@ -499,6 +499,25 @@ def setup_logging(rank: int) -> None:
 REPORT_GRACE_S = 2.0
 
 
+def validate(argv: list[str], env: LaunchEnv) -> int:
+    """Check a command line for the world a launcher is about to start, before any rank exists.
+
+    `python -m launch.check` runs this once per job: a config error (bad key, a mesh that does
+    not divide the world, missing data, a checkpoint that does not fit) then ends the job with
+    one line and exit status 2, instead of every rank failing and torchrun retrying it.
+    Returns 0 when the config is fine, else 2 after logging the one line.
+    """
+    try:
+        job = parse_config(JobConfig, argv)
+        check_config(job, env)
+    except HelpRequested:
+        return 0
+    except ConfigError as err:
+        logger.error("config error: %s", err)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     env = LaunchEnv.from_env()
     setup_logging(env.rank)

@@ -1,7 +1,7 @@
 """Config loading: dataclass defaults < TOML file < `--section.key=value` on the command line.
 
 Each module owns its config as a `@dataclass` whose fields carry a docstring on the next line;
-`train.py` nests them into one tree and calls `parse_config(RunConfig, sys.argv[1:])`. This module
+`train.py` nests them into one tree (`JobConfig`) and calls `parse_config(JobConfig, argv)`. This module
 is generic: it imports nothing from the rest of the project, so any module may import it.
 """
 
@@ -59,28 +59,35 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def parse_config(cls: type[T], argv: list[str]) -> T:
-    """Build `cls` from argv = `[CONFIG.toml] [--section.key=value | --section.key value] ...`."""
+    """Build `cls` from argv = `[CONFIG.toml] [--section.key=value | --section.key value] ...`.
+
+    The TOML file may stand anywhere among the overrides (launchers such as launch/hsdp.sbatch
+    put their own `--` settings first); it is always applied first, so the command line wins.
+    """
     if "-h" in argv or "--help" in argv:
         raise HelpRequested(help_text(cls))
     # Values are gathered into plain nested dicts first, so each dataclass is constructed once,
     # with its final values, and its __post_init__ validates what the run will actually use.
-    store: dict[str, Any] = {}
+    overrides: list[tuple[str, str | None, Any]] = []  # (key, value, type hint)
+    toml_path: str | None = None
     i = 0
-    if argv and not argv[0].startswith("-"):
-        _merge_toml(store, cls, _load_toml(argv[0]), "", f"from {argv[0]}")
-        i = 1
     while i < len(argv):  # in order, so a key given twice takes the last value
         token = argv[i]
         i += 1
+        if not token.startswith("-"):
+            if toml_path is not None:
+                raise ConfigError(
+                    f"unexpected argument {token!r}: the config file is {toml_path!r} and only "
+                    "one may be given; overrides look like --section.key=value"
+                )
+            toml_path = token
+            continue
         if not token.startswith("--") or token == "--":
             raise ConfigError(
-                f"unexpected argument {token!r}: only the first argument may be a TOML file; "
-                "overrides look like --section.key=value"
+                f"unexpected argument {token!r}: overrides look like --section.key=value"
             )
         key, has_value, raw = token[2:].partition("=")
-        source = f"from --{key}"
-        parts = key.replace("-", "_").split(".")
-        hint = _resolve(cls, parts, source)
+        hint = _resolve(cls, key.replace("-", "_").split("."), f"from --{key}")
         if not has_value:
             takes_word = i < len(argv) and argv[i].lower() in _TRUE + _FALSE
             if bool in (hint, *get_args(hint)) and not takes_word:
@@ -89,10 +96,16 @@ def parse_config(cls: type[T], argv: list[str]) -> T:
                 raw, i = argv[i], i + 1
             else:
                 raise ConfigError(f"--{key} needs a value (<{_type_name(hint)}>)")
+        overrides.append((key, raw, hint))
+    store: dict[str, Any] = {}
+    if toml_path is not None:
+        _merge_toml(store, cls, _load_toml(toml_path), "", f"from {toml_path}")
+    for key, raw, hint in overrides:
+        parts = key.replace("-", "_").split(".")
         node = store
         for name in parts[:-1]:
             node = node.setdefault(name, {})
-        node[parts[-1]] = _convert(raw, hint, ".".join(parts), source, cli=True)
+        node[parts[-1]] = _convert(raw, hint, ".".join(parts), f"from --{key}", cli=True)
     return _build(cls, store, "", None)
 
 

@@ -126,6 +126,11 @@ def test_toml_overrides_defaults_and_cli_overrides_toml(tmp_path: Path) -> None:
     assert cfg.train.steps == 70 and cfg.name == "cli"
     assert cfg.train.schedule.kind == "linear"  # untouched TOML values survive
 
+    # Launchers put their own overrides before the user's "CONFIG --x=y": the file may stand
+    # anywhere, is applied first, and the command line still wins, last value last.
+    cfg = parse_config(RunConfig, ["--train.steps=70", "--name", "cli", path, "--train.steps=80"])
+    assert cfg.train.steps == 80 and cfg.name == "cli" and cfg.train.schedule.kind == "linear"
+
 
 def test_cli_syntax() -> None:
     cfg = parse_config(
