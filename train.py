@@ -14,7 +14,7 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -30,9 +30,13 @@ from checkpoint import (
     build_states,
     check_resume,
     checkpoint_folder,
+    latest_complete,
+    list_step_dirs,
+    step_dir,
 )
+from checkpoint.export import read_run_config
 from checkpoint.hf import check_hf_config, load_hf_weights
-from configs import ConfigError, HelpRequested, config_to_toml, parse_config
+from configs import ConfigError, HelpRequested, config_to_dict, config_to_toml, parse_config
 from data.loader import DataConfig, DatasetIndex, build_dataloader, open_dataset
 from model.llama import (
     LlamaArgs,
@@ -46,11 +50,18 @@ from model.llama import (
 from parallel.ac import ActivationCheckpointConfig, apply_ac
 from parallel.compile import CompileConfig, apply_compile
 from parallel.dims import LaunchEnv, ParallelConfig, resolve_dims
-from parallel.float8 import Float8Config, apply_float8, check_float8, precompute_float8_scales
+from parallel.float8 import (
+    Float8Config,
+    apply_float8,
+    check_float8,
+    precompute_float8_scales,
+    unmatched_skips,
+)
 from parallel.fsdp import apply_fsdp, assign_local_shard
 from parallel.metrics import (
     MetricsConfig,
     MetricsLogger,
+    RunSummary,
     ThroughputMeter,
     Timer,
     memory_stats,
@@ -59,9 +70,12 @@ from parallel.metrics import (
 )
 from parallel.plan import format_plan, plan_communication, plan_memory
 from parallel.runtime import (
+    RunLock,
+    StopRequest,
     build_mesh,
     dp_mesh,
     dp_rank_and_size,
+    exit_with_launcher,
     init_distributed,
     pick_device,
 )
@@ -125,12 +139,15 @@ class TrainConfig:
     eval_interval: int = 100
     """Compute the validation loss every this many steps and at the end (0 = never)."""
     eval_batches: int = 4
-    """Global batches of the validation split per evaluation."""
+    """Global batches of the validation split per evaluation (at most what the split holds)."""
+    max_skipped_steps: int = 10
+    """With on_nonfinite='skip': stop with an error after this many skipped steps in a row."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms: bitwise repeatable kernels, somewhat slower."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch_size", "micro_batch_size", "eval_batches"):
+        names = ("steps", "global_batch_size", "micro_batch_size", "eval_batches")
+        for name in (*names, "max_skipped_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_interval < 0 or self.max_grad_norm < 0:
@@ -163,8 +180,11 @@ class Plan:
     dp_replicate: int
     dp_shard: int
     grad_accum_steps: int
-    dataset: DatasetIndex
+    dataset: DatasetIndex | None
+    """None only in a dry run whose data is not there (yet)."""
     resume: ResumePoint | None
+    resume_changes: tuple[str, ...] = ()
+    """Settings that differ from the resumed checkpoint's, applied: "optim.lr: 0.0003 -> 0.001"."""
 
 
 def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
@@ -179,22 +199,12 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
             f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
             f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({dp})"
         )
-    dataset = open_dataset(job.data.path)
-    if dataset.vocab_size > args.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size ({args.vocab_size}) is smaller than the dataset's tokenizer "
-            f"vocabulary ({dataset.vocab_size}, {job.data.path}): set model.vocab_size"
-        )
-    if job.data.seq_len > args.max_seq_len:
-        raise ConfigError(
-            f"data.seq_len ({job.data.seq_len}) exceeds the model's max_seq_len "
-            f"({args.max_seq_len})"
-        )
-    if t.eval_interval > 0 and dataset.num_tokens("val") == 0:
-        raise ConfigError(
-            f"train.eval_interval={t.eval_interval} but {job.data.path} has no validation "
-            "split: prepare it with --val-fraction > 0, or set train.eval_interval=0"
-        )
+    # A dry run needs no data: it reports the plan for a cluster the data may not be on yet.
+    dataset = (
+        None if job.dry_run and not Path(job.data.path).exists() else open_dataset(job.data.path)
+    )
+    if dataset is not None:
+        check_dataset(job, args, dataset)
     if job.parallel.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
     on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()
@@ -213,13 +223,93 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         is_rank0=env.rank == 0,
         create_folder=not job.dry_run,
     )
+    if job.fp8.enabled:
+        with torch.device("meta"):
+            unmatched = unmatched_skips(Transformer(args), job.fp8.skip)
+        if unmatched:
+            raise ConfigError(
+                f"fp8.skip: {', '.join(unmatched)} matches no Linear layer of this model "
+                "(entries are module names or their dotted suffixes, e.g. 'output', 'attention.wo')"
+            )
+    changes: list[str] = []
+    if resume is not None and not resume.model_only:
+        changes = resume_changes(job, resume.path)
+    elif job.checkpoint.resume == "none" and list_step_dirs(
+        checkpoint_folder(job.checkpoint, Path(job.run.output_dir) / job.run.name)
+    ):
+        raise ConfigError(
+            f"checkpoint.resume=none but run {job.run.name!r} already has checkpoints, which "
+            "this run would prune (keep_last): choose another run.name or checkpoint.folder"
+        )
     accum = t.global_batch_size // (t.micro_batch_size * dp)
-    return Plan(args, dp_replicate, dp_shard, accum, dataset, resume)
+    return Plan(args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes))
 
 
-def build_optimizer(
-    model: torch.nn.Module, cfg: OptimizerConfig, device: torch.device
-) -> torch.optim.Optimizer:
+def check_dataset(job: JobConfig, args: LlamaArgs, dataset: DatasetIndex) -> None:
+    if dataset.vocab_size > args.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({args.vocab_size}) is smaller than the dataset's tokenizer "
+            f"vocabulary ({dataset.vocab_size}, {job.data.path}): set model.vocab_size"
+        )
+    if job.data.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len ({job.data.seq_len}) exceeds the model's max_seq_len "
+            f"({args.max_seq_len})"
+        )
+    if job.train.eval_interval > 0 and dataset.num_tokens("val") == 0:
+        raise ConfigError(
+            f"train.eval_interval={job.train.eval_interval} but {job.data.path} has no "
+            "validation split: prepare it with --val-fraction > 0, or set train.eval_interval=0"
+        )
+
+
+# What a resume may change: everything not listed here is applied (and listed in the log).
+# These would change the model's math or the data stream under a running optimizer, so a
+# resume that changes them is an error (start a new run, or fine-tune with load_model_only).
+RESUME_FIXED = ("data.path", "data.seq_len", "data.num_workers", "train.seed")
+# Not settings of the run's math: where it lives and how it was started.
+RESUME_IGNORED = ("run.", "dry_run", "checkpoint.resume", "checkpoint.load_model_only",
+                  "checkpoint.init_from_hf")  # fmt: skip
+
+
+def resume_changes(job: JobConfig, path: Path) -> list[str]:
+    """Compare this run's config with the checkpoint's: ConfigError for a change a resume
+    cannot make, else the list of changes ("optim.lr: 0.0003 -> 0.001") it will apply."""
+    saved, source = read_run_config(path, {"config"})
+    old, new = flatten(saved), flatten(config_to_dict(job))
+    changed = sorted(
+        k for k in old.keys() | new.keys()
+        if old.get(k) != new.get(k) and not k.startswith(RESUME_IGNORED)
+    )  # fmt: skip
+    # The model is compared as resolved (a flavor name and its explicit fields are the same
+    # model); only the attention kernel, the same math, may change.
+    old_args = replace(build_args(ModelConfig(**saved.get("model", {}))), attention="sdpa")
+    if old_args != replace(build_args(job.model), attention="sdpa"):
+        fixed = [k for k in changed if k.startswith("model.")]
+    else:
+        fixed = []
+    fixed += [k for k in changed if k in RESUME_FIXED]
+    if fixed:
+        what = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed)
+        raise ConfigError(
+            f"resuming {path} with a changed {what}: a resume cannot change the model or the "
+            "data stream (see the checkpoint's config in its run folder); start a new run.name, "
+            "or use checkpoint.load_model_only=true to start over from its weights"
+        )
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if not k.startswith("model.")]
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     # Decay matrices only: decaying RMSNorm gains toward 0 fights the normalization.
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -243,6 +333,26 @@ def lr_lambda(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
+def apply_optimizer_config(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    cfg: OptimizerConfig,
+    step: int,
+    total_steps: int,
+) -> None:
+    """Set the config's hyperparameters on a (possibly just resumed) optimizer and schedule.
+
+    A checkpoint's optimizer and schedule state carry the lr, betas, eps and weight decay they
+    were saved with; a resume that changes them in the config means to change them. The lr is
+    the schedule's value after `step` steps, as LambdaLR would set it.
+    """
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    lr = cfg.lr * lr_lambda(step, cfg, total_steps)
+    for group in optimizer.param_groups:
+        group.update(lr=lr, initial_lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    optimizer.param_groups[0]["weight_decay"] = cfg.weight_decay  # matrices (build_optimizer)
+
+
 class NonFiniteError(RuntimeError):
     pass
 
@@ -255,18 +365,31 @@ def summed_loss(
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
-def train(job: JobConfig, plan: Plan, env: LaunchEnv) -> list[float]:
+def train(
+    job: JobConfig, plan: Plan, env: LaunchEnv, stop: StopRequest | None = None
+) -> list[float]:
     """Run training; returns the global training loss of every step it ran (after a resume,
-    only those after the checkpoint's step)."""
+    only those after the checkpoint's step). `stop`: the installed signal handler, if any."""
+    stop = stop or StopRequest()
     device = pick_device(job.parallel.device, env)
     init_distributed(device, env, job.parallel.timeout_s)
+    lock = RunLock(Path(job.run.output_dir) / job.run.name)
     try:
-        return _train(job, plan, env, device)
+        # One trainer per run folder: rank 0 holds the lock, and every rank learns the answer
+        # (all of them are in this collective, so it cannot hang).
+        refused = [lock.acquire() if env.rank == 0 else None]
+        dist.broadcast_object_list(refused, src=0)
+        if refused[0] is not None:
+            raise ConfigError(refused[0])
+        return _train(job, plan, env, device, stop)
     finally:
+        lock.release()
         dist.destroy_process_group()
 
 
-def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> list[float]:
+def _train(
+    job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device, stop: StopRequest
+) -> list[float]:
     t = job.train
     torch.manual_seed(t.seed)
     torch.use_deterministic_algorithms(t.deterministic)
@@ -274,10 +397,14 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
     dp_rank, dp_size = dp_rank_and_size(mesh)
     is_rank0 = env.rank == 0
     run_dir = Path(job.run.output_dir) / job.run.name
+    ckpt_folder = checkpoint_folder(job.checkpoint, run_dir)
     config_toml = config_to_toml(job)
     if is_rank0:
+        if plan.resume is None or plan.resume.model_only:
+            set_aside_earlier_attempt(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_toml)
+        log_orientation(job, plan, run_dir, ckpt_folder)
         logger.info("mesh %s on %s, grad accumulation %d", mesh, device, plan.grad_accum_steps)
 
     # Model: build on meta (no memory), shard, then allocate only this rank's shards and
@@ -300,33 +427,27 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
     if is_rank0:
         logger.info("model %s: %s parameters", job.model.flavor, f"{n_params:,}")
 
-    optimizer = build_optimizer(model, job.optim, device)
+    optimizer = build_optimizer(model, job.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_lambda(step, job.optim, t.steps)
     )
-    loader = build_dataloader(
-        job.data,
-        "train",
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        micro_batch_size=t.micro_batch_size,
-        seed=t.seed,
-        index=plan.dataset,
-    )
+    loader = build_loader(job, plan, "train", dp_rank, dp_size)
 
     # Resume: everything that changes during training is a Stateful in one dict, loaded in
     # place before the loader is iterated (DCP reshards it onto this mesh).
     progress = TrainState()
     states = build_states(model, optimizer, scheduler, loader, progress, config_toml)
-    checkpointer = Checkpointer(
-        job.checkpoint, checkpoint_folder(job.checkpoint, run_dir), is_rank0
-    )
+    checkpointer = Checkpointer(job.checkpoint, ckpt_folder, is_rank0)
     checkpointer.load(states, plan.resume)
+    # The checkpoint brought its own lr, betas, ...: what this run's config says wins (the
+    # changes were checked and listed by check_config).
+    apply_optimizer_config(optimizer, scheduler, job.optim, progress.step, t.steps)
     batches = iter(loader)
     if is_rank0 and progress.step >= t.steps:
         logger.info("resumed at step %d of train.steps=%d: nothing to do", progress.step, t.steps)
 
-    metrics = MetricsLogger(job.metrics, run_dir, is_rank0)
+    # After a resume, TensorBoard drops what an earlier attempt logged past the checkpoint.
+    metrics = MetricsLogger(job.metrics, run_dir, is_rank0, t.steps, purge_step=progress.step + 1)
     tokens_per_step = t.global_batch_size * job.data.seq_len
     flops = flops_per_token(
         plan.args, count_params(model, exclude_embedding=True), job.data.seq_len
@@ -340,8 +461,13 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
         peak_tflops(device, precision, job.metrics.peak_tflops),
     )
     losses: list[float] = []
+    val_loss: float | None = None
+    saved: Path | None = None
+    skipped_in_a_row = 0
     timer = Timer(device)
+    started = time.perf_counter()
     keep_gathered = job.parallel.reshard_after_forward == "never" and plan.grad_accum_steps > 1
+    stopping = False
 
     for step in range(progress.step + 1, t.steps + 1):
         # All micro-batches up front: their target count fixes the loss normalization.
@@ -373,20 +499,33 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
                 loss_sum += loss.detach()
 
             grad_norm = clip_grad_norm(model, t.max_grad_norm)
-            dist.all_reduce(loss_sum)
-            loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
+            # The stop flag rides on the loss all-reduce: every rank stops after the same step,
+            # also one that the signal did not reach, and no extra collective is needed.
+            summed = torch.stack([loss_sum, torch.tensor(float(stop.requested), device=device)])
+            dist.all_reduce(summed)
+            loss_value, grad_norm_value = summed[0].item(), grad_norm.item()
+            stopping = summed[1].item() > 0
             if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
                 optimizer.step()
                 precompute_float8_scales(model, job.fp8)  # no-op unless fp8 tensorwise
+                skipped_in_a_row = 0
             elif t.on_nonfinite == "error":
                 raise NonFiniteError(
                     f"step {step}: loss {loss_value}, grad norm {grad_norm_value}; stopping "
                     "(set train.on_nonfinite='skip' to skip such steps instead)"
                 )
-            elif is_rank0:
-                logger.warning("step %d: non-finite loss/grad norm, update skipped", step)
+            else:
+                skipped_in_a_row += 1
+                if is_rank0:
+                    logger.warning("step %d: non-finite loss/grad norm, update skipped", step)
+                if skipped_in_a_row >= t.max_skipped_steps:
+                    raise NonFiniteError(
+                        f"step {step}: {skipped_in_a_row} steps in a row had a non-finite loss "
+                        f"or grad norm (train.max_skipped_steps={t.max_skipped_steps}); the run "
+                        "is not recovering, stopping (its checkpoints hold the last good weights)"
+                    )
             optimizer.zero_grad(set_to_none=True)
-        lr = scheduler.get_last_lr()[0]
+        lr = optimizer.param_groups[0]["lr"]
         scheduler.step()
         losses.append(loss_value)
         progress.step = step
@@ -397,16 +536,28 @@ def _train(job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device) -> 
 
         if step % job.metrics.log_interval == 0 or step == t.steps:
             scalars = {"loss/train": loss_value, "lr": lr, "grad_norm": grad_norm_value}
-            metrics.log(step, scalars | meter.summary() | memory_stats(device))
+            eta = (time.perf_counter() - started) / len(losses) * (t.steps - step)
+            metrics.log(step, scalars | meter.summary() | memory_stats(device), eta_s=eta)
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
             val_loss = evaluate(model, job, plan, dp_rank, dp_size, device)
             metrics.log(step, {"loss/val": val_loss})
             timer.lap()  # evaluation time is not training throughput
-        # After the optimizer step, so the checkpoint of step N holds N updates.
-        if checkpointer.maybe_save(step, states, last=step == t.steps):
+        # After the optimizer step, so the checkpoint of step N holds N updates. A stop
+        # request saves now: the next start redoes no finished step.
+        if checkpointer.maybe_save(step, states, last=step == t.steps or stopping):
+            saved = step_dir(ckpt_folder, step)
             timer.lap()  # nor is saving: its time is logged on its own line
+        if stopping:
+            break
     checkpointer.wait()  # an async save still in flight must finish before the group goes
     metrics.close()
+    if is_rank0:
+        summary = RunSummary(
+            progress.step, t.steps, losses, val_loss, progress.tokens_seen,
+            time.perf_counter() - started, saved or latest_complete(ckpt_folder),
+        )  # fmt: skip
+        for line in summary.lines(stop.signal_name if stopping else None, job.checkpoint.interval):
+            logger.info("%s", line)
     return losses
 
 
@@ -422,6 +573,19 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return norm
 
 
+def build_loader(job: JobConfig, plan: Plan, split: str, dp_rank: int, dp_size: int):
+    """This rank's loader of `split`: its slice of the global stream (see data/loader.py)."""
+    return build_dataloader(
+        job.data,
+        split,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        micro_batch_size=job.train.micro_batch_size,
+        seed=job.train.seed,
+        index=plan.dataset,
+    )
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
@@ -432,23 +596,48 @@ def evaluate(
     device: torch.device,
 ) -> float:
     """Mean loss over the first eval_batches global batches of the validation split."""
-    loader = build_dataloader(
-        job.data,
-        "val",
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        micro_batch_size=job.train.micro_batch_size,
-        seed=job.train.seed,
-        index=plan.dataset,
-    )
     totals = torch.zeros(2, device=device)
-    batches = iter(loader)
+    batches = iter(build_loader(job, plan, "val", dp_rank, dp_size))
     for _ in range(job.train.eval_batches * plan.grad_accum_steps):
         inputs, targets = (x.to(device) for x in next(batches))
         totals[0] += summed_loss(model, inputs, targets)
         totals[1] += (targets != -100).sum()
     dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
+
+
+def log_orientation(job: JobConfig, plan: Plan, run_dir: Path, ckpt_folder: Path) -> None:
+    """The first lines of a run: where everything goes, and what it starts from."""
+    logger.info("run folder %s (config.toml, logs)", run_dir)
+    if job.metrics.tensorboard:
+        logger.info("TensorBoard: tensorboard --logdir %s", run_dir / "tensorboard")
+    every = job.checkpoint.interval
+    where = f"every {every} steps and at the end, to {ckpt_folder}" if every else "never"
+    logger.info("checkpoints: %s", where + (" (checkpoint.interval=0)" if not every else ""))
+    if plan.resume is None:
+        logger.info("starting at step 0 of %d", job.train.steps)
+    elif not plan.resume.model_only:
+        logger.info("resuming %s at step %d of %d", plan.resume.path, plan.resume.step,
+                    job.train.steps)  # fmt: skip
+    for change in plan.resume_changes:
+        logger.info("changed since the checkpoint, applied: %s", change)
+
+
+def set_aside_earlier_attempt(run_dir: Path) -> None:
+    """A fresh start in a run folder that an earlier attempt left without a checkpoint: move
+    that attempt's config.toml and TensorBoard logs to previous/<time>/, so its curves do not
+    overlap the new run's and nothing is overwritten. Said in the log, never silent."""
+    leftovers = [p for p in (run_dir / "config.toml", run_dir / "tensorboard") if p.exists()]
+    if not leftovers:
+        return
+    dest = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
+    dest.mkdir(parents=True)
+    for path in leftovers:
+        path.rename(dest / path.name)
+    logger.warning(
+        "run folder %s has no checkpoint to resume: starting at step 0; the earlier attempt's "
+        "%s moved to %s", run_dir, " and ".join(p.name for p in leftovers), dest,
+    )  # fmt: skip
 
 
 def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
@@ -481,6 +670,8 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
     print(f"# parameters: {n_params:,}")
+    if plan.dataset is None:
+        print(f"# data: {job.data.path} not found (a dry run does not need it; training does)")
     if plan.resume is not None:
         print(f"# resume: {plan.resume.path} (step {plan.resume.step})")
     mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
@@ -510,6 +701,11 @@ def validate(argv: list[str], env: LaunchEnv) -> int:
     try:
         job = parse_config(JobConfig, argv)
         check_config(job, env)
+        if not job.dry_run:  # a run folder in use: say so now, not after torchrun started
+            lock = RunLock(Path(job.run.output_dir) / job.run.name)
+            if refused := lock.acquire():
+                raise ConfigError(refused)
+            lock.release()
     except HelpRequested:
         return 0
     except ConfigError as err:
@@ -521,33 +717,36 @@ def validate(argv: list[str], env: LaunchEnv) -> int:
 def main(argv: list[str] | None = None) -> int:
     env = LaunchEnv.from_env()
     setup_logging(env.rank)
+    exit_with_launcher()  # a rank never outlives its torchrun agent
+    stop = StopRequest()
+    stop.install()  # SIGTERM/SIGINT/SIGUSR1: finish the step, save, exit 0
     try:
         job = parse_config(JobConfig, sys.argv[1:] if argv is None else argv)
         plan = check_config(job, env)
+        if job.dry_run:
+            if env.rank == 0:
+                dry_run(job, plan, env)
+            return 0
+        train(job, plan, env, stop)
     except HelpRequested as help_request:
         if env.rank == 0:
             print(help_request.text)
         return 0
     except ConfigError as err:
-        if env.rank == 0:
-            logger.error("config error: %s", err)
-        else:
-            # torchrun stops all ranks when the first one exits: give rank 0 time to report.
-            time.sleep(REPORT_GRACE_S)
-        return 2
-    if job.dry_run:
-        if env.rank == 0:
-            dry_run(job, plan, env)
-        return 0
-    try:
-        train(job, plan, env)
+        return report(env, f"config error: {err}", 2)
     except NonFiniteError as err:
-        if env.rank == 0:
-            logger.error("%s", err)
-        else:
-            time.sleep(REPORT_GRACE_S)  # as above
-        return 1
+        return report(env, str(err), 1)
     return 0
+
+
+def report(env: LaunchEnv, message: str, status: int) -> int:
+    """One line on rank 0 for an error every rank hit; returns the exit status."""
+    if env.rank == 0:
+        logger.error("%s", message)
+    else:
+        # torchrun stops all ranks when the first one exits: give rank 0 time to report.
+        time.sleep(REPORT_GRACE_S)
+    return status
 
 
 if __name__ == "__main__":

@@ -80,6 +80,13 @@ def _skipped(fqn: str, skip: list[str]) -> bool:
     return any(".".join(parts[i:]) in skip for i in range(len(parts)))
 
 
+def unmatched_skips(model: nn.Module, skip: list[str]) -> list[str]:
+    """Entries of fp8.skip that name no Linear layer of `model` (a typo would convert the layer
+    it meant to keep in high precision, silently)."""
+    linears = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return [name for name in skip if not any(_skipped(fqn, [name]) for fqn in linears)]
+
+
 def apply_float8(model: nn.Module, cfg: Float8Config) -> list[str]:
     """Convert eligible nn.Linear layers in place; returns the names of converted layers.
 

@@ -122,25 +122,76 @@ class ThroughputMeter:
 class MetricsLogger:
     """Rank-0 log lines and TensorBoard scalars. On other ranks every call is a no-op."""
 
-    def __init__(self, cfg: MetricsConfig, run_dir: Path, is_rank0: bool) -> None:
+    def __init__(
+        self, cfg: MetricsConfig, run_dir: Path, is_rank0: bool, total_steps: int, purge_step: int
+    ) -> None:
         self.writer = None
         self.is_rank0 = is_rank0
+        self.total_steps = total_steps
         if is_rank0 and cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            # purge_step: after a resume at step N, TensorBoard hides what an earlier attempt
+            # logged from step N+1 on, so the curves do not overlap.
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
+    def log(self, step: int, scalars: dict[str, float], eta_s: float | None = None) -> None:
         if not self.is_rank0:
             return
         if self.writer is not None:
             for name, value in scalars.items():
                 self.writer.add_scalar(name, value, step)
-        logger.info("step %d  %s", step, format_scalars(scalars))
+        eta = (
+            f"  eta {format_duration(eta_s)}"
+            if eta_s is not None and step < self.total_steps
+            else ""
+        )
+        logger.info("step %d/%d  %s%s", step, self.total_steps, format_scalars(scalars), eta)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def format_duration(seconds: float) -> str:
+    """3h05m, 4m12s, 9s."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+@dataclass
+class RunSummary:
+    """What rank 0 says when the loop ends: where the run got to and what it left behind."""
+
+    step: int
+    total_steps: int
+    losses: list[float]
+    val_loss: float | None
+    tokens_seen: int
+    wall_s: float
+    checkpoint: Path | None
+
+    def lines(self, stop_signal: str | None, checkpoint_interval: int) -> list[str]:
+        if stop_signal:
+            head = f"stopped by {stop_signal} after step {self.step}/{self.total_steps}"
+        else:
+            head = f"done: step {self.step}/{self.total_steps}"
+        parts = [head, f"{len(self.losses)} steps in {format_duration(self.wall_s)}"]
+        if self.losses:
+            parts.append(f"final loss {self.losses[-1]:.4f}")
+        if self.val_loss is not None:
+            parts.append(f"val_loss {self.val_loss:.4f}")
+        parts.append(f"{self.tokens_seen:,} tokens seen")
+        lines = [", ".join(parts)]
+        if self.checkpoint is not None:
+            lines.append(f"last checkpoint: {self.checkpoint}")
+        elif checkpoint_interval == 0:
+            lines.append("no checkpoint saved (checkpoint.interval=0)")
+        if stop_signal and self.checkpoint is not None:
+            lines.append("the same command resumes from it")
+        return lines
 
 
 _SHORT = {
@@ -152,7 +203,7 @@ _SHORT = {
     "throughput/tokens_per_second_per_device": ("tok/s/dev", "{:,.0f}"),
     "throughput/tflops_per_device": ("tflops/dev", "{:.2f}"),
     "throughput/mfu_percent": ("mfu", "{:.1f}%"),
-    "time/data_fraction": ("data", "{:.1%}"),
+    "time/data_fraction": ("data_wait", "{:.1%}"),
     "memory/max_allocated_gib": ("mem", "{:.2f}GiB"),
     "memory/max_rss_gib": ("rss", "{:.2f}GiB"),
 }

@@ -83,7 +83,8 @@ def test_two_ranks_train_log_and_write_tensorboard(tiny_dataset: str, tmp_path: 
     assert result.returncode == 0, result.stderr[-3000:]
     logs = result.stderr
     assert "[rank0]" in logs and "[rank1]" not in logs  # one voice
-    assert "step 6  loss" in logs and "tok/s" in logs and "val_loss" in logs
+    assert "step 6/6  loss" in logs and "tok/s" in logs and "val_loss" in logs
+    assert "TensorBoard: tensorboard --logdir" in logs and "done: step 6/6" in logs
 
     run_dir = tmp_path / "e2e"
     written = tomllib.loads((run_dir / "config.toml").read_text())
@@ -151,6 +152,11 @@ def test_nonfinite_loss_stops_with_the_step_or_is_skipped(
     losses = run_distributed(train_losses, 2, [*argv, "--train.on_nonfinite=skip"])[0]
     # Skipped updates leave the weights as they were, so the later losses cannot move.
     assert len(losses) == 4 and losses[1] == losses[2] == losses[3] != losses[0]
+    # ...but a run that skips every step is not recovering: it stops, naming the streak.
+    with pytest.raises(AssertionError, match=r"step 3: 2 steps in a row had a non-finite"):
+        run_distributed(
+            train_losses, 2, [*argv, "--train.on_nonfinite=skip", "--train.max_skipped_steps=2"]
+        )
 
 
 @pytest.mark.parametrize(
