@@ -556,7 +556,8 @@ def _train(
             progress.step, t.steps, losses, val_loss, progress.tokens_seen,
             time.perf_counter() - started, saved or latest_complete(ckpt_folder),
         )  # fmt: skip
-        for line in summary.lines(stop.signal_name if stopping else None, job.checkpoint.interval):
+        reason = (stop.signal_name or "a signal to another rank") if stopping else None
+        for line in summary.lines(reason, job.checkpoint.interval):
             logger.info("%s", line)
     return losses
 

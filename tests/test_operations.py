@@ -1,0 +1,237 @@
+"""Operating a run: stop signals, the run-folder lock, what a resume may change, early checks.
+
+Each test drives train.py as a user does (a subprocess, real signals, files on disk).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from parallel.runtime import RunLock
+from tests.test_train import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = os.environ | {"OMP_NUM_THREADS": "1"}
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def argv(dataset: str, out: Path, *extra: str) -> list[str]:
+    return [
+        "configs/debug.toml", f"--data.path={dataset}", f"--run.output_dir={out}", *TINY,
+        "--parallel.param_dtype=float32", "--train.micro_batch_size=2", *extra,
+    ]  # fmt: skip
+
+
+def train_cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+class Background:
+    """A training command in the background, its stderr in a file we can poll."""
+
+    def __init__(self, cmd: list[str], log: Path) -> None:
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stderr=out, stdout=out)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, pattern: str, timeout: float = 90) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if m := re.search(pattern, self.text()):
+                return m
+            assert self.proc.poll() is None, (
+                f"exited {self.proc.returncode}:\n{self.text()[-3000:]}"
+            )
+            time.sleep(0.1)
+        self.proc.kill()
+        pytest.fail(f"{pattern!r} not seen in {timeout} s:\n{self.text()[-3000:]}")
+
+    def finish(self, timeout: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"still running after {timeout} s:\n{self.text()[-3000:]}")
+
+
+def logged_losses(log: str) -> dict[int, str]:
+    return {int(s): v for s, v in re.findall(r"step (\d+)/\d+  loss (\S+)", log)}
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_step_in_flight_and_the_same_command_resumes(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    # checkpoint.interval far beyond the run: only the stop can save anything. A constant
+    # schedule, so that ending the resumed run early does not change its lr.
+    args = argv(
+        tiny_dataset, tmp_path, "--train.steps=100000", "--metrics.log_interval=1",
+        "--checkpoint.interval=50000", "--optim.decay=constant",
+    )  # fmt: skip
+    run = Background([sys.executable, "train.py", *args], tmp_path / "first.log")
+    run.wait_for(r"step 5/100000  loss")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish() == 0
+    log = run.text()
+    stopped = re.search(r"stopped by SIGTERM after step (\d+)/100000", log)
+    assert stopped, log[-3000:]
+    n = int(stopped.group(1))
+    assert max(logged_losses(log)) == n  # the last step it finished is the one it saved
+    assert (tmp_path / "debug" / "checkpoints" / f"step-{n}" / "COMPLETE").is_file()
+    assert "the same command resumes from it" in log
+
+    # The same command (fewer steps, so it ends) continues at n + 1: no finished step is redone.
+    again = train_cli([*args, f"--train.steps={n + 3}"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    saved = tmp_path / "debug" / "checkpoints" / f"step-{n}"
+    assert f"resuming {saved} at step {n}" in again.stderr
+    resumed = logged_losses(again.stderr)
+    assert sorted(resumed) == [n + 1, n + 2, n + 3]
+    # ...and matches a run that was never interrupted.
+    straight = train_cli([*argv(tiny_dataset, tmp_path / "ref", f"--train.steps={n + 3}",
+                                "--metrics.log_interval=1", "--optim.decay=constant")])  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert {s: logged_losses(straight.stderr)[s] for s in resumed} == resumed
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    args = argv(
+        tiny_dataset, tmp_path, "--train.steps=100000", "--metrics.log_interval=1",
+        "--checkpoint.interval=50000",
+    )  # fmt: skip
+    cmd = [*TORCHRUN, "--nproc-per-node=2", "train.py", *args]
+    run = Background(cmd, tmp_path / "run.log")
+    run.wait_for(r"step 3/100000  loss")
+    children = Path(f"/proc/{run.proc.pid}/task/{run.proc.pid}/children").read_text().split()
+    assert len(children) == 2, children
+    os.kill(int(children[-1]), signal.SIGUSR1)  # one rank only (Slurm's warning, say)
+    assert run.finish() == 0, run.text()[-3000:]
+    log = run.text()
+    assert "[rank1] WARNING SIGUSR1 received: stopping after the current step" in log
+    # Rank 0 got no signal, yet stops after the same step: the flag rode on the all-reduce.
+    stopped = re.search(r"stopped by a signal to another rank after step (\d+)/", log)
+    assert stopped, log[-3000:]
+    assert (tmp_path / "debug" / "checkpoints" / f"step-{stopped.group(1)}" / "COMPLETE").is_file()
+
+
+def test_second_trainer_on_a_run_folder_in_use_gets_one_line(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    held = RunLock(tmp_path / "debug")
+    assert held.acquire() is None
+    try:
+        result = train_cli(argv(tiny_dataset, tmp_path, "--train.steps=2"))
+        assert result.returncode == 2
+        [line] = [ln for ln in result.stderr.splitlines() if "ERROR" in ln]
+        assert f"config error: run folder {tmp_path / 'debug'} is in use by" in line
+        assert f"pid {os.getpid()}" in line and "Traceback" not in result.stderr
+    finally:
+        held.release()
+    # The holder gone (even by kill -9: the kernel drops a flock), the folder is free again.
+    result = train_cli(argv(tiny_dataset, tmp_path, "--train.steps=2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_lock_of_a_dead_holder_is_stale(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from pathlib import Path; from parallel.runtime import RunLock; "
+         "lock = RunLock(Path(sys.argv[1])); assert lock.acquire() is None; "
+         "print('held', flush=True); time.sleep(60)", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    lock = RunLock(tmp_path)
+    assert f"pid {holder.pid}" in (lock.acquire() or "")
+    holder.kill()
+    holder.wait()
+    assert lock.acquire() is None
+    lock.release()
+
+
+@pytest.mark.slow
+def test_resume_applies_what_may_change_and_rejects_what_may_not(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    first = train_cli(argv(tiny_dataset, tmp_path, "--train.steps=4", "--checkpoint.interval=4"))
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    # A changed lr and schedule length: applied, listed, and what config.toml says.
+    args = argv(tiny_dataset, tmp_path, "--train.steps=6", "--checkpoint.interval=4",
+                "--optim.lr=0.5", "--optim.decay=constant", "--metrics.log_interval=1")  # fmt: skip
+    again = train_cli(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "changed since the checkpoint, applied: optim.lr: 0.003 -> 0.5" in again.stderr
+    assert "changed since the checkpoint, applied: train.steps: 4 -> 6" in again.stderr
+    assert re.search(r"step 5/6  loss \S+  lr 5\.00e-01", again.stderr), again.stderr[-2000:]
+    written = tomllib.loads((tmp_path / "debug" / "config.toml").read_text())
+    assert written["optim"]["lr"] == 0.5
+
+    # What would change the model's math or the data stream mid-run: one line, exit 2.
+    for bad, shown in [
+        ("--data.seq_len=16", "data.seq_len: 32 -> 16"),
+        ("--train.seed=1", "train.seed: 0 -> 1"),
+        ("--model.norm_eps=0.001", "model.norm_eps"),
+    ]:
+        result = train_cli([*args, "--train.steps=8", bad])
+        assert result.returncode == 2, (bad, result.stderr[-2000:])
+        [line] = [ln for ln in result.stderr.splitlines() if "ERROR" in ln]
+        assert "config error: resuming" in line and shown in line, line
+
+
+def test_early_checks_before_any_rank_starts(tiny_dataset: str, tmp_path: Path) -> None:
+    # An fp8.skip entry that matches no layer would silently convert the layer meant to stay.
+    result = train_cli(argv(tiny_dataset, tmp_path, "--fp8.enabled=true", "--fp8.skip=outptu"))
+    assert result.returncode == 2
+    assert "config error: fp8.skip: outptu matches no Linear layer" in result.stderr
+
+    # resume=none next to existing checkpoints would prune them: refused.
+    (tmp_path / "debug" / "checkpoints" / "step-4").mkdir(parents=True)
+    (tmp_path / "debug" / "checkpoints" / "step-4" / "COMPLETE").write_text("step 4\n")
+    result = train_cli(argv(tiny_dataset, tmp_path, "--checkpoint.resume=none"))
+    assert result.returncode == 2 and "already has checkpoints" in result.stderr
+
+
+def test_dry_run_needs_no_data(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "train.py", "configs/llama3_8b.toml", "--dry-run",
+         f"--data.path={tmp_path / 'not-prepared'}", f"--run.output_dir={tmp_path}"],
+        cwd=ROOT, env=ENV | {"WORLD_SIZE": "16", "RANK": "0", "LOCAL_WORLD_SIZE": "8",
+                             "GROUP_WORLD_SIZE": "2"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "not found (a dry run does not need it" in result.stdout
+    assert "dp_replicate=2 x dp_shard=8" in result.stdout
+
+
+@pytest.mark.slow
+def test_fresh_start_in_a_used_run_folder_sets_the_old_attempt_aside(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    args = argv(tiny_dataset, tmp_path, "--train.steps=2", "--metrics.tensorboard=true")
+    assert train_cli(args).returncode == 0
+    again = train_cli(args)  # no checkpoint: it starts over, and says where the old logs went
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "has no checkpoint to resume: starting at step 0" in again.stderr
+    [previous] = (tmp_path / "debug" / "previous").iterdir()
+    assert (previous / "tensorboard").is_dir() and (previous / "config.toml").is_file()
+    assert len(list((tmp_path / "debug" / "tensorboard").iterdir())) == 1
