@@ -76,13 +76,23 @@ class DatasetIndex:
     eos_id: int
     tokenizer: dict[str, Any]
     splits: dict[str, list[Shard]]
+    bos_id: int | None = None
+    """None for a tokenizer without BOS, and in index files written before it was recorded."""
 
     def num_tokens(self, split: Split) -> int:
         return sum(shard.num_tokens for shard in self.splits.get(split, []))
 
+    def num_sequences(self, split: Split, seq_len: int) -> int:
+        """Samples of `seq_len` (+1 target) tokens in `split`; see TokenSequences."""
+        return sum(max(s.num_tokens - 1, 0) // seq_len for s in self.splits.get(split, []))
 
-def open_dataset(path: str | Path) -> DatasetIndex:
-    """Read ``path/index.json`` and check the shards exist. Cheap, no collectives, no data read."""
+
+_INDEX_KEYS = ("version", "dtype", "vocab_size", "eos_id", "tokenizer", "splits")
+
+
+def read_index(path: str | Path) -> DatasetIndex:
+    """Parse ``path/index.json`` without opening any shard; ConfigError naming the file and
+    what is wrong with it."""
     root = Path(path)
     index_file = root / "index.json"
     if not index_file.is_file():
@@ -90,38 +100,85 @@ def open_dataset(path: str | Path) -> DatasetIndex:
             f"data.path: no prepared dataset at '{path}' (index.json not found); "
             f"create it with: python -m data.prepare --out {path}"
         )
-    raw = json.loads(index_file.read_text())
-    if raw.get("version") != 1 or raw.get("dtype") not in ("uint16", "uint32"):
+    remedy = f"re-create it with: python -m data.prepare --out {path}"
+    try:
+        raw = json.loads(index_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"data.path: '{index_file}' is not valid JSON ({e}); {remedy}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"data.path: '{index_file}' is not a JSON object; {remedy}")
+    if missing := [key for key in _INDEX_KEYS if key not in raw]:
+        raise ConfigError(f"data.path: '{index_file}' has no {', '.join(missing)}; {remedy}")
+    if raw["version"] != 1 or raw["dtype"] not in ("uint16", "uint32"):
         raise ConfigError(
-            f"data.path: '{index_file}' has version {raw.get('version')!r} and dtype "
-            f"{raw.get('dtype')!r}; this trainer reads version 1 with uint16 or uint32. "
-            f"Re-create it with: python -m data.prepare --out {path}"
+            f"data.path: '{index_file}' has version {raw['version']!r} and dtype "
+            f"{raw['dtype']!r}; this trainer reads version 1 with uint16 or uint32; {remedy}"
         )
-    itemsize = np.dtype(raw["dtype"]).itemsize
-    splits: dict[str, list[Shard]] = {}
-    for split, shards in raw["splits"].items():
-        splits[split] = []
-        for entry in shards:
-            shard = Shard(root / entry["file"], int(entry["num_tokens"]))
-            if not shard.file.is_file():
-                raise ConfigError(
-                    f"data.path: shard '{shard.file}' listed in index.json is missing"
-                )
-            # A size check catches a truncated copy now instead of as garbage tokens mid-run.
-            if shard.file.stat().st_size != shard.num_tokens * itemsize:
-                raise ConfigError(
-                    f"data.path: shard '{shard.file}' has {shard.file.stat().st_size} bytes, "
-                    f"index.json expects {shard.num_tokens} {raw['dtype']} tokens"
-                )
-            splits[split].append(shard)
-    return DatasetIndex(
-        path=root,
-        dtype=raw["dtype"],
-        vocab_size=int(raw["vocab_size"]),
-        eos_id=int(raw["eos_id"]),
-        tokenizer=raw["tokenizer"],
-        splits=splits,
-    )
+    try:
+        splits = {
+            split: [Shard(root / entry["file"], int(entry["num_tokens"])) for entry in shards]
+            for split, shards in raw["splits"].items()
+        }
+        bos_id = raw.get("bos_id")  # absent from files written before it was recorded
+        return DatasetIndex(
+            path=root,
+            dtype=raw["dtype"],
+            vocab_size=int(raw["vocab_size"]),
+            eos_id=int(raw["eos_id"]),
+            tokenizer=dict(raw["tokenizer"]),
+            splits=splits,
+            bos_id=None if bos_id is None else int(bos_id),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        problem = f"a shard entry has no key {e}" if isinstance(e, KeyError) else str(e)
+        raise ConfigError(f"data.path: '{index_file}' is malformed ({problem}); {remedy}") from e
+
+
+def open_dataset(path: str | Path) -> DatasetIndex:
+    """Read ``path/index.json`` and check the shards exist. Cheap, no collectives, no data read."""
+    index = read_index(path)
+    itemsize = np.dtype(index.dtype).itemsize
+    for shard in (shard for shards in index.splits.values() for shard in shards):
+        if not shard.file.is_file():
+            raise ConfigError(f"data.path: shard '{shard.file}' listed in index.json is missing")
+        # A size check catches a truncated copy now instead of as garbage tokens mid-run.
+        if shard.file.stat().st_size != shard.num_tokens * itemsize:
+            raise ConfigError(
+                f"data.path: shard '{shard.file}' has {shard.file.stat().st_size} bytes, "
+                f"index.json expects {shard.num_tokens} {index.dtype} tokens"
+            )
+    return index
+
+
+def check_eval_split(
+    index: DatasetIndex, seq_len: int, global_batch_size: int, eval_batches: int
+) -> None:
+    """ConfigError unless every evaluation reads distinct validation sequences: at least one,
+    and `eval_batches` global batches of them. Run at startup, when evaluation is enabled:
+    found at the first evaluation, the steps before it would be lost."""
+    available = index.num_sequences("val", seq_len)
+    where = f"the val split of '{index.path}'"
+    if available == 0:
+        raise ConfigError(
+            f"data: {where} has {index.num_tokens('val')} tokens, and no shard of it holds one "
+            f"sequence of data.seq_len={seq_len} (+1 target token): prepare more validation "
+            "data (python -m data.prepare --val-fraction), lower data.seq_len, or set "
+            "train.eval_interval=0"
+        )
+    wanted = eval_batches * global_batch_size
+    if wanted > available:
+        # The val loader wraps around past its end, so more batches would repeat the same data.
+        largest = available // global_batch_size
+        fix = (
+            f"set train.eval_batches <= {largest}"
+            if largest
+            else "lower train.global_batch_size or data.seq_len, or prepare more validation data"
+        )
+        raise ConfigError(
+            f"train.eval_batches={eval_batches} x train.global_batch_size={global_batch_size} "
+            f"= {wanted} sequences per evaluation, but {where} holds {available} sequences of "
+            f"data.seq_len={seq_len} (at most {largest} eval_batches): {fix}"
+        )
 
 
 class TokenSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):

@@ -4,7 +4,7 @@ With no ``--input`` the corpus is the running Python's standard-library sources:
 has them, so the trainer works end to end with no download. Output layout (read by
 ``data.loader.open_dataset``)::
 
-    DIR/index.json          dtype, tokenizer, vocab_size, eos_id, shards per split
+    DIR/index.json          dtype, tokenizer, vocab_size, eos_id, bos_id, shards per split
     DIR/train-00000.bin     flat uint16 (or uint32) token ids, documents separated by EOS
     DIR/val-00000.bin
 """
@@ -293,6 +293,8 @@ def prepare(
             "tokenizer": tok.describe(),
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
+            # Read by the Hugging Face export (config.json); absent from older index files.
+            "bos_id": tok.bos_id,
             "splits": {s: w.shards for s, w in writers.items()},
             "sources": {"num_documents": num_docs, "inputs": inputs, "pattern": pattern},
         }

@@ -30,6 +30,8 @@ class TokenizerInfo(TypedDict):
     path: str | None
     vocab_size: int
     eos_id: int
+    bos_id: int | None
+    """None when the tokenizer has none of the usual BOS tokens."""
 
 
 class Tokenizer(Protocol):
@@ -37,6 +39,7 @@ class Tokenizer(Protocol):
 
     vocab_size: int
     eos_id: int
+    bos_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -68,7 +71,13 @@ class ByteTokenizer:
         return [np.frombuffer(doc, dtype=np.uint8) for doc in docs]
 
     def describe(self) -> TokenizerInfo:
-        return {"kind": "byte", "path": None, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+        return {
+            "kind": "byte",
+            "path": None,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "bos_id": self.bos_id,
+        }
 
 
 class HFTokenizer:
@@ -133,6 +142,7 @@ class HFTokenizer:
             "path": self.path,
             "vocab_size": self.vocab_size,
             "eos_id": self.eos_id,
+            "bos_id": self.bos_id,
         }
 
 

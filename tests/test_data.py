@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Literal
@@ -20,6 +22,7 @@ from data.loader import (
     GlobalStreamBatchSampler,
     TokenSequences,
     build_dataloader,
+    check_eval_split,
     open_dataset,
 )
 from data.prepare import find_files, is_val, main, prepare, stdlib_dir
@@ -86,8 +89,10 @@ def test_prepare_round_trips_text_and_splits_by_document(
     docs = corpus[1]
     index = json.loads((dataset / "index.json").read_text())
     assert index["version"] == 1 and index["dtype"] == "uint16"
-    assert index["tokenizer"] == {"kind": "byte", "path": None, "vocab_size": 258, "eos_id": 257}
-    assert (index["vocab_size"], index["eos_id"]) == (258, 257)
+    assert index["tokenizer"] == {
+        "kind": "byte", "path": None, "vocab_size": 258, "eos_id": 257, "bos_id": 256
+    }  # fmt: skip
+    assert (index["vocab_size"], index["eos_id"], index["bos_id"]) == (258, 257, 256)
     train, val = _documents(dataset, "train"), _documents(dataset, "val")
     # Each split holds exactly the documents whose key hashes there, in sorted-key order.
     want_val = [docs[k] for k in sorted(docs) if is_val(k, 0.2)]
@@ -174,19 +179,98 @@ def test_default_corpus_is_the_stdlib(tmp_path: Path) -> None:
 # --- reading ---------------------------------------------------------------------------------
 
 
+def _copy(dataset: Path, to: Path) -> Path:
+    to.mkdir()
+    for f in dataset.iterdir():
+        (to / f.name).write_bytes(f.read_bytes())
+    return to
+
+
 def test_open_dataset_errors(tmp_path: Path, dataset: Path) -> None:
     with pytest.raises(ConfigError, match=r"python -m data.prepare --out .*nowhere"):
         open_dataset(tmp_path / "nowhere")
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in dataset.iterdir():
-        (broken / f.name).write_bytes(f.read_bytes())
+    broken = _copy(dataset, tmp_path / "broken")
     (broken / "train-00001.bin").unlink()
     with pytest.raises(ConfigError, match="train-00001.bin' listed in index.json is missing"):
         open_dataset(broken)
     (broken / "train-00001.bin").write_bytes(b"\0\0")
     with pytest.raises(ConfigError, match="train-00001.bin' has 2 bytes"):
         open_dataset(broken)
+
+
+def test_corrupt_index_json_names_the_file_and_the_problem(tmp_path: Path, dataset: Path) -> None:
+    ds = _copy(dataset, tmp_path / "ds")
+    index_file = ds / "index.json"
+    good = json.loads(index_file.read_text())
+    cases = {
+        '{"version": 1,': r"is not valid JSON \(Expecting property name .*line 1 column 15",
+        "[1, 2]": "is not a JSON object",
+        json.dumps({k: v for k, v in good.items() if k not in ("eos_id", "splits")}): (
+            "has no eos_id, splits"
+        ),
+        json.dumps(good | {"splits": {"train": [{"file": "train-00000.bin"}]}}): (
+            r"is malformed \(a shard entry has no key 'num_tokens'\)"
+        ),
+        json.dumps(good | {"vocab_size": "many"}): r"is malformed \(invalid literal for int",
+    }
+    for text, problem in cases.items():
+        index_file.write_text(text)
+        with pytest.raises(ConfigError) as err:
+            open_dataset(ds)
+        message = str(err.value)
+        assert message.startswith(f"data.path: '{index_file}' ") and "\n" not in message
+        assert re.search(problem, message), message
+        assert message.endswith(f"re-create it with: python -m data.prepare --out {ds}")
+    # An index.json written before bos_id was recorded still opens.
+    index_file.write_text(json.dumps({k: v for k, v in good.items() if k != "bos_id"}))
+    assert open_dataset(ds).bos_id is None and open_dataset(dataset).bos_id == 256
+
+
+# --- the validation split, checked at startup ---------------------------------------------------
+
+
+def test_check_eval_split(dataset: Path) -> None:
+    index = open_dataset(dataset)
+    available = index.num_sequences("val", SEQ)
+    assert available == len(TokenSequences(index, "val", SEQ)) > 16
+    check_eval_split(index, SEQ, global_batch_size=8, eval_batches=available // 8)  # all fit
+    # One more batch would wrap around and repeat the split's first sequences.
+    with pytest.raises(ConfigError) as err:
+        check_eval_split(index, SEQ, global_batch_size=8, eval_batches=available // 8 + 1)
+    assert str(err.value) == (
+        f"train.eval_batches={available // 8 + 1} x train.global_batch_size=8 = "
+        f"{(available // 8 + 1) * 8} sequences per evaluation, but the val split of "
+        f"'{dataset}' holds {available} sequences of data.seq_len={SEQ} "
+        f"(at most {available // 8} eval_batches): set train.eval_batches <= {available // 8}"
+    )
+    with pytest.raises(ConfigError, match=r"at most 0 eval_batches\): lower train.global_batch"):
+        check_eval_split(index, SEQ, global_batch_size=available + 1, eval_batches=1)
+    # Shorter than seq_len + 1 tokens: not one sequence, found before the first step.
+    longest = max(shard.num_tokens for shard in index.splits["val"])
+    check_eval_split(index, longest - 1, global_batch_size=1, eval_batches=1)
+    with pytest.raises(ConfigError, match=rf"no shard of it holds one sequence of data.seq_len="
+                       rf"{longest} \(\+1 target token\).*train.eval_interval=0"):  # fmt: skip
+        check_eval_split(index, longest, global_batch_size=1, eval_batches=1)
+
+
+def test_trainer_rejects_too_many_eval_batches_at_startup(tmp_path: Path, dataset: Path) -> None:
+    """The check wired into train.py: one config error line, exit 2, before any step."""
+    too_many = open_dataset(dataset).num_sequences("val", SEQ) // 8 + 1
+    tiny = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=2"]
+    result = subprocess.run(
+        [
+            sys.executable, "train.py", "configs/debug.toml", f"--data.path={dataset}",
+            f"--train.eval_batches={too_many}", f"--data.seq_len={SEQ}",
+            f"--run.output_dir={tmp_path}", "--train.steps=1", "--metrics.tensorboard=false",
+            *tiny,
+        ],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1],
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if "config error:" in line]
+    assert result.returncode == 2, output[-2000:]
+    assert len(errors) == 1 and f"train.eval_batches={too_many}" in errors[0], output[-2000:]
+    assert "Traceback" not in output and "loss" not in output  # no step ran
 
 
 def test_sequences_are_shifted_windows_within_shards(dataset: Path) -> None:
@@ -369,6 +453,7 @@ def test_prepare_with_local_hf_tokenizer(tmp_path: Path, corpus: tuple[Path, dic
     tok = HFTokenizer(str(tmp_path / "tokenizer.json"))
     assert index.dtype == "uint16" and index.tokenizer["kind"] == "hf"
     assert index.eos_id == tok.eos_id == hf.token_to_id("<|endoftext|>")
+    assert index.bos_id is None and index.tokenizer["bos_id"] is None  # it has no BOS token
     tokens = np.fromfile(index.splits["train"][0].file, dtype=np.uint16)
     first_doc = tokens[: np.flatnonzero(tokens == index.eos_id)[0]].tolist()
     assert tok.decode(first_doc) == corpus[1][min(k for k in corpus[1] if not is_val(k, 0.2))]
