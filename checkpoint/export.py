@@ -1,13 +1,15 @@
 """Export a training checkpoint to Hugging Face Llama safetensors, on one CPU process.
 
-    python -m checkpoint.export outputs/debug/checkpoints/step-300 outputs/debug/hf
-    python -m checkpoint.export CHECKPOINT_DIR OUT_DIR --dtype float32
+    python -m checkpoint.export outputs/debug/checkpoints/step-200 outputs/debug/hf
+    python -m checkpoint.export CHECKPOINT_DIR OUT_DIR --dtype float32 [--force]
 
 Reads only the "model" entry of the DCP checkpoint (not the optimizer state, which is twice as
 large) into a plain model, whatever mesh saved it: DCP stores full shapes and reshards on load.
 The model shape comes from the resolved config stored in the checkpoint itself. Then
 `checkpoint.hf.save_hf_weights` writes the HF layout; load it back with `load_hf_weights` or
-`transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)`.
+`transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)`. config.json's bos/eos token ids come
+from the index.json of the run's data.path (relative to the current directory), when it is
+there. OUT_DIR must be new or empty; --force overwrites the export files in it.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from checkpoint.hf import MAX_SHARD_BYTES, save_hf_weights
+from checkpoint.hf import INDEX_FILE, MAX_SHARD_BYTES, save_hf_weights
 from configs import ConfigError
-from model.llama import LlamaArgs, ModelConfig, Transformer, build_args
+from data.loader import read_index
+from model.llama import ModelConfig, Transformer, build_args, rope_frequencies
 
 logger = logging.getLogger("checkpoint.export")
 
@@ -57,18 +60,8 @@ def read_run_config(checkpoint_dir: Path, entries: set[str]) -> tuple[dict, str]
         raise ConfigError(f"cannot read the config from {source}: {e}") from e
 
 
-def read_model_args(checkpoint_dir: Path, entries: set[str]) -> LlamaArgs:
-    """The model shape the checkpoint was trained with."""
-    config, source = read_run_config(checkpoint_dir, entries)
-    try:
-        return build_args(ModelConfig(**config.get("model", {})))
-    except TypeError as e:
-        raise ConfigError(f"cannot read the [model] config from {source}: {e}") from e
-
-
-def load_checkpoint_model(checkpoint_dir: str | Path) -> Transformer:
-    """A plain CPU model holding the weights of a complete DCP training checkpoint."""
-    checkpoint_dir = Path(checkpoint_dir)
+def _load(checkpoint_dir: Path) -> tuple[Transformer, dict]:
+    """The weights of a complete DCP training checkpoint (no RoPE table), and the run's config."""
     if not checkpoint_dir.is_dir():
         raise ConfigError(f"checkpoint not found: {checkpoint_dir}")
     if not (checkpoint_dir / "COMPLETE").is_file():
@@ -80,7 +73,11 @@ def load_checkpoint_model(checkpoint_dir: str | Path) -> Transformer:
         metadata = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
     except FileNotFoundError as e:
         raise ConfigError(f"{checkpoint_dir} is not a DCP checkpoint: {e}") from e
-    args = read_model_args(checkpoint_dir, set(metadata))
+    config, source = read_run_config(checkpoint_dir, set(metadata))
+    try:
+        args = build_args(ModelConfig(**config.get("model", {})))
+    except TypeError as e:
+        raise ConfigError(f"cannot read the [model] config from {source}: {e}") from e
     # Meta then to_empty: memory for the weights only, no throwaway initialization.
     with torch.device("meta"):
         model = Transformer(args)
@@ -98,7 +95,58 @@ def load_checkpoint_model(checkpoint_dir: str | Path) -> Transformer:
     if problems:
         raise ConfigError(f"{checkpoint_dir} does not match its config: " + "; ".join(problems))
     _dcp_load(wanted, checkpoint_dir)  # flat "model.<fqn>" keys name the same entries
+    return model, config
+
+
+def load_checkpoint_model(checkpoint_dir: str | Path, rope_len: int | None = None) -> Transformer:
+    """A plain CPU model holding the weights of a complete DCP training checkpoint, ready to run
+    on up to `rope_len` positions (default: the model's max_seq_len, as in the HF export)."""
+    model, _ = _load(Path(checkpoint_dir))
+    # The RoPE table is not a weight, so no checkpoint holds it: build it here, as init_weights
+    # does (which would also overwrite the weights just loaded).
+    args = model.args
+    model.rope = rope_frequencies(args, rope_len or args.max_seq_len, torch.device("cpu"))
     return model
+
+
+def special_token_ids(config: dict) -> tuple[int | None, int | None]:
+    """(bos, eos) ids of the tokenizer of the run's dataset (`config`'s data.path), each None
+    when unknown, with one log line that says which."""
+    data_path = config.get("data", {}).get("path")
+    index_file = Path(data_path or ".") / "index.json"
+    bos_id = eos_id = None
+    if data_path is None:
+        reason = "the run's config names no data.path"
+    elif not index_file.is_file():
+        reason = f"{index_file} (the run's data.path) not found from this directory"
+    else:
+        try:
+            index = read_index(data_path)
+            bos_id, eos_id = index.bos_id, index.eos_id
+        except ConfigError as e:
+            reason = str(e)
+    if eos_id is None:
+        logger.warning("config.json: bos_token_id and eos_token_id are null: %s", reason)
+    elif bos_id is None:  # a tokenizer without BOS, or an index.json from before bos_id
+        logger.warning(
+            "config.json: eos_token_id %d from %s, which records no bos_id: bos_token_id is null",
+            eos_id, index_file,
+        )  # fmt: skip
+    else:
+        logger.info(
+            "config.json: bos_token_id %d, eos_token_id %d from %s", bos_id, eos_id, index_file
+        )
+    return bos_id, eos_id
+
+
+def _check_out_dir(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a directory")
+    if not force and out.is_dir() and (entries := sorted(p.name for p in out.iterdir())):
+        raise ConfigError(
+            f"{out} is not empty ({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}):"
+            " export into a new or empty directory, or pass --force to overwrite"
+        )
 
 
 def export_checkpoint(
@@ -106,20 +154,24 @@ def export_checkpoint(
     out_dir: str | Path,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    force: bool = False,
 ) -> list[Path]:
     """Write `checkpoint_dir`'s model to `out_dir` in the HF Llama layout; returns the files.
 
     `dtype` defaults to the run's `checkpoint.export_dtype` (bfloat16 if it has none).
+    A non-empty `out_dir` is an error unless `force`: then the weight files of an earlier export
+    there are replaced (stale shards removed), and other files are left alone.
     """
     out = Path(out_dir)
-    if out.is_dir() and any(out.glob("*.safetensors*")):
-        raise ConfigError(f"{out} already holds safetensors files; export into an empty directory")
-    model = load_checkpoint_model(checkpoint_dir)
+    _check_out_dir(out, force)
+    model, config = _load(Path(checkpoint_dir))  # writing weights needs no RoPE table
     if dtype is None:
-        entries = set(dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata)
-        config, _ = read_run_config(Path(checkpoint_dir), entries)
         dtype = DTYPES[config.get("checkpoint", {}).get("export_dtype", "bfloat16")]
-    files = save_hf_weights(model, out, dtype, max_shard_bytes)
+    bos_id, eos_id = special_token_ids(config)
+    if out.is_dir():  # with force: shards of an earlier, larger export must not linger
+        for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
+            stale.unlink(missing_ok=True)
+    files = save_hf_weights(model, out, dtype, max_shard_bytes, bos_id, eos_id)
     logger.info("wrote %d file(s) and config.json to %s", len(files), out)
     return files
 
@@ -130,17 +182,21 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("checkpoint_dir", help="a complete step directory, e.g. .../step-300")
+    parser.add_argument("checkpoint_dir", help="a complete step directory, e.g. .../step-200")
     parser.add_argument("out_dir", help="where to write the safetensors and config.json")
     parser.add_argument(
         "--dtype", choices=list(DTYPES), default=None,
         help="weight dtype (default: the run's checkpoint.export_dtype, else bfloat16)",
     )  # fmt: skip
+    parser.add_argument(
+        "--force", action="store_true",
+        help="write into a non-empty OUT_DIR, replacing the files of an earlier export",
+    )  # fmt: skip
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
         dtype = DTYPES[opts.dtype] if opts.dtype else None
-        export_checkpoint(opts.checkpoint_dir, opts.out_dir, dtype)
+        export_checkpoint(opts.checkpoint_dir, opts.out_dir, dtype, force=opts.force)
     except ConfigError as err:
         logger.error("export error: %s", err)
         return 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -76,8 +77,14 @@ def to_hf_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
 # ---- config.json ------------------------------------------------------------------------------
 
 
-def hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
-    """config.json of a `LlamaForCausalLM` with the shape of `args`."""
+def hf_config(
+    args: LlamaArgs,
+    dtype: torch.dtype,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> dict:
+    """config.json of a `LlamaForCausalLM` with the shape of `args`; the token ids are the
+    training data's tokenizer's (None when unknown)."""
     rope_scaling = None
     if args.rope_scaling:  # the constants hard-coded in model.llama.rope_frequencies
         rope_scaling = {
@@ -105,10 +112,10 @@ def hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        # The checkpoint does not know its tokenizer. Null, not omitted: omitted, transformers
-        # would assume 1 and 2, which are ordinary tokens in our tokenizers.
-        "bos_token_id": None,
-        "eos_token_id": None,
+        # Null, not omitted, when unknown: omitted, transformers would assume 1 and 2, which are
+        # ordinary tokens in our tokenizers.
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -185,16 +192,33 @@ def check_hf_config(args: LlamaArgs, hf_dir: str | Path) -> None:
 # ---- writing ----------------------------------------------------------------------------------
 
 
+def _umask() -> int:
+    """The process umask. Linux shows it in /proc; elsewhere setting and restoring it is the
+    only way to read it (for an instant, files other threads create would ignore it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_hf_weights(
     model: Transformer,
     out_dir: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
 ) -> list[Path]:
     """Write a plain (unsharded) model as HF safetensors plus config.json; returns the files.
 
     One `model.safetensors`, or, past `max_shard_bytes`, `model-0000i-of-0000n.safetensors`
-    files and `model.safetensors.index.json`. A tied output projection is not written.
+    files and `model.safetensors.index.json`. A tied output projection is not written. Every
+    file gets the mode the umask gives new files, like config.json.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -223,11 +247,15 @@ def save_hf_weights(
             value = to_hf_rows(param, head_dim) if _is_rotated(name) else param
             tensors[key] = value.detach().to(dtype).contiguous()
         save_file(tensors, out / file, metadata={"format": "pt"})
+        # safetensors creates its files with mode 0600 whatever the umask, so a model exported
+        # for a team would be readable by its owner only.
+        (out / file).chmod(0o666 & ~_umask())
     if n > 1:
         weight_map = {key: file for file, shard in zip(files, shards, strict=True) for key in shard}
         index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(hf_config(model.args, dtype), indent=2) + "\n")
+    config = hf_config(model.args, dtype, bos_token_id, eos_token_id)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return [out / file for file in files]
 
 

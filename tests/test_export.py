@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from checkpoint import hf
-from checkpoint.export import export_checkpoint, main
+from checkpoint.export import export_checkpoint, load_checkpoint_model, main
 from checkpoint.hf import check_hf_config, load_hf_weights, save_hf_weights, to_hf_rows
 from configs import ConfigError, config_to_toml
 from model.llama import LlamaArgs, ModelConfig, Transformer, build_args
@@ -73,13 +74,13 @@ class _Run:
 
 
 def write_checkpoint(
-    model: Transformer, cfg: ModelConfig, run_dir: Path, config: bool = True
+    model: Transformer, cfg: ModelConfig, run_dir: Path, config: bool = True, more_toml: str = ""
 ) -> Path:
     """A step directory in the layout checkpoint/state.py writes (model + config entries)."""
     step_dir = run_dir / "checkpoints" / "step-10"
     state: dict[str, Any] = {"model": model.state_dict()}
     if config:
-        state["config"] = config_to_toml(_Run(cfg))
+        state["config"] = config_to_toml(_Run(cfg)) + more_toml
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, checkpoint_id=step_dir, no_dist=True)
@@ -183,6 +184,8 @@ def test_logits_equal_transformers(tmp_path: Path, rope_scaling: bool, tied: boo
     with torch.no_grad():
         ours, logits = model(tokens), theirs(tokens).logits
         torch.testing.assert_close(logits, ours, atol=1e-5, rtol=1e-5)
+        # The checkpoint's model, as loaded, runs as is: the trained model's logits, exactly.
+        assert torch.equal(load_checkpoint_model(checkpoint)(tokens), ours)
         if not tied and not rope_scaling:
             # The test can fail: without the q/k permutation the logits are far apart.
             for i, layer in enumerate(theirs.model.layers):
@@ -424,3 +427,128 @@ def test_export_dtype_defaults_to_the_runs_checkpoint_export_dtype(tmp_path: Pat
     assert {w.dtype for w in load_file(tmp_path / "hf16" / "model.safetensors").values()} == {
         torch.bfloat16
     }
+
+
+def test_load_checkpoint_model_runs_as_is(tmp_path: Path) -> None:
+    cfg = small_config(rope_scaling=True)
+    args = build_args(cfg)
+    model = random_model(args)
+    checkpoint = write_checkpoint(model, cfg, tmp_path / "run")
+    loaded = load_checkpoint_model(checkpoint)
+    assert loaded.rope.shape[0] == args.max_seq_len  # as long as the HF export declares
+    tokens = torch.randint(0, args.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), model(tokens))
+        short = load_checkpoint_model(checkpoint, rope_len=SEQ)
+        assert short.rope.shape[0] == SEQ and torch.equal(short(tokens), model(tokens))
+
+
+def test_export_refuses_a_non_empty_out_dir_unless_forced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = small_config(tie_embeddings=False)
+    old = random_model(build_args(cfg), seed=1)
+    out = tmp_path / "hf"
+    # An earlier export in several files, and a file of the user's.
+    export_checkpoint(write_checkpoint(old, cfg, tmp_path / "old"), out, max_shard_bytes=100_000)
+    (out / "README.md").write_text("mine")
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    shards = sorted(name for name in before if name.endswith(".safetensors"))
+    assert len(shards) > 1 and "model.safetensors.index.json" in before
+
+    new = random_model(build_args(cfg), seed=2)
+    step_dir = write_checkpoint(new, cfg, tmp_path / "new")
+    caplog.clear()
+    assert main([str(step_dir), str(out), "--dtype", "float32"]) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        f"export error: {out} is not empty (README.md, config.json, {shards[0]}, ...): "
+        "export into a new or empty directory, or pass --force to overwrite"
+    ]
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # untouched
+
+    # --force: one file now; the earlier shards and their index are gone, the user's file stays.
+    assert main([str(step_dir), str(out), "--dtype", "float32", "--force"]) == 0
+    assert sorted(f.name for f in out.iterdir()) == [
+        "README.md", "config.json", "model.safetensors"
+    ]  # fmt: skip
+    weights = load_file(out / "model.safetensors")
+    assert torch.equal(weights["model.norm.weight"], new.norm.weight)
+    assert main([str(step_dir), str(tmp_path / "new" / "hf"), "--force"]) == 0  # new dirs too
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_exported_files_follow_the_umask(tmp_path: Path, umask: int) -> None:
+    cfg = small_config(tie_embeddings=False)
+    step_dir = write_checkpoint(random_model(build_args(cfg)), cfg, tmp_path / "run")
+    previous = os.umask(umask)
+    try:
+        export_checkpoint(step_dir, tmp_path / "hf", max_shard_bytes=100_000)
+    finally:
+        os.umask(previous)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "hf").iterdir()}
+    assert len(modes) > 3 and "model.safetensors.index.json" in modes  # shards, index, config
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)
+
+
+def test_config_json_takes_token_ids_from_the_runs_dataset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from data.prepare import prepare
+
+    monkeypatch.chdir(tmp_path)  # data.path is relative to where the run (and export) started
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("some training text\n" * 20)
+    prepare(["text"], "data/bytes", val_fraction=0.0)
+    cfg = small_config()
+    model = random_model(build_args(cfg))
+
+    def export(data: str, name: str) -> tuple[dict, str]:
+        step_dir = write_checkpoint(model, cfg, tmp_path / name, more_toml=data)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="checkpoint.export"):
+            assert main([str(step_dir), str(tmp_path / name / "hf")]) == 0
+        config = json.loads((tmp_path / name / "hf" / "config.json").read_text())
+        ids = (config["bos_token_id"], config["eos_token_id"])
+        lines = [r.getMessage() for r in caplog.records if "token_id" in r.getMessage()]
+        assert len(lines) == 1, lines  # one line says where the ids came from, or why not
+        return ids, lines[0]
+
+    index = Path("data/bytes/index.json")
+    ids, line = export('\n[data]\npath = "data/bytes"\n', "run")
+    assert ids == (256, 257)  # the byte tokenizer's BOS and EOS
+    assert line == f"config.json: bos_token_id 256, eos_token_id 257 from {index}"
+
+    # An index.json from before bos_id was recorded: EOS only.
+    index.write_text(json.dumps(json.loads(index.read_text()) | {"bos_id": None}))
+    ids, line = export('\n[data]\npath = "data/bytes"\n', "old")
+    assert ids == (None, 257)
+    assert line == (
+        f"config.json: eos_token_id 257 from {index}, which records no bos_id: bos_token_id is null"
+    )
+
+    ids, line = export('\n[data]\npath = "data/elsewhere"\n', "moved")
+    assert ids == (None, None)
+    assert line == (
+        "config.json: bos_token_id and eos_token_id are null: data/elsewhere/index.json "
+        "(the run's data.path) not found from this directory"
+    )
+    index.write_text("{")
+    ids, line = export('\n[data]\npath = "data/bytes"\n', "corrupt")
+    assert ids == (None, None) and f"'{index}' is not valid JSON" in line
+
+
+def test_help_example_is_the_quick_start_checkpoint(capsys: pytest.CaptureFixture) -> None:
+    """`--help` shows the export of the checkpoint that training configs/debug.toml leaves."""
+    from checkpoint.manager import checkpoint_folder, step_dir
+    from configs import parse_config
+    from train import JobConfig
+
+    job = parse_config(JobConfig, [str(Path(__file__).parents[1] / "configs" / "debug.toml")])
+    run_dir = Path(job.run.output_dir) / job.run.name
+    last = step_dir(checkpoint_folder(job.checkpoint, run_dir), job.train.steps)
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    assert last.as_posix() == "outputs/debug/checkpoints/step-200"  # as the README says
+    example = f"python -m checkpoint.export {last.as_posix()} {(run_dir / 'hf').as_posix()}"
+    assert example in capsys.readouterr().out
