@@ -37,7 +37,13 @@ from checkpoint import (
 from checkpoint.export import read_run_config
 from checkpoint.hf import check_hf_config, load_hf_weights
 from configs import ConfigError, HelpRequested, config_to_dict, config_to_toml, parse_config
-from data.loader import DataConfig, DatasetIndex, build_dataloader, open_dataset
+from data.loader import (
+    DataConfig,
+    DatasetIndex,
+    build_dataloader,
+    check_eval_split,
+    open_dataset,
+)
 from model.llama import (
     LlamaArgs,
     ModelConfig,
@@ -256,6 +262,11 @@ def check_dataset(job: JobConfig, args: LlamaArgs, dataset: DatasetIndex) -> Non
             f"data.seq_len ({job.data.seq_len}) exceeds the model's max_seq_len "
             f"({args.max_seq_len})"
         )
+    t = job.train
+    if t.eval_interval > 0 and dataset.num_tokens("val") > 0:
+        # A split too short for one window, or fewer windows than eval_batches asks for, would
+        # fail at the first evaluation (after the steps before it) or silently repeat data.
+        check_eval_split(dataset, job.data.seq_len, t.global_batch_size, t.eval_batches)
     if job.train.eval_interval > 0 and dataset.num_tokens("val") == 0:
         raise ConfigError(
             f"train.eval_interval={job.train.eval_interval} but {job.data.path} has no "

@@ -227,7 +227,10 @@ def test_dry_run_needs_no_data(tmp_path: Path) -> None:
 def test_fresh_start_in_a_used_run_folder_sets_the_old_attempt_aside(
     tiny_dataset: str, tmp_path: Path
 ) -> None:
-    args = argv(tiny_dataset, tmp_path, "--train.steps=2", "--metrics.tensorboard=true")
+    args = argv(
+        tiny_dataset, tmp_path, "--train.steps=2", "--metrics.tensorboard=true",
+        "--checkpoint.interval=0",
+    )  # fmt: skip
     assert train_cli(args).returncode == 0
     again = train_cli(args)  # no checkpoint: it starts over, and says where the old logs went
     assert again.returncode == 0, again.stderr[-2000:]
