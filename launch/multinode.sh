@@ -14,7 +14,14 @@
 #   MAX_RESTARTS   times torchrun restarts all workers after a failure (default 0); each restart
 #                  resumes from the latest checkpoint (checkpoint.resume=auto), so set
 #                  --checkpoint.interval
-#   TORCHRUN       the torchrun command (default: torchrun from PATH)
+#   TORCHRUN       the torchrun command (default: torchrun from PATH); PYTHON (default: the
+#                  python beside it) checks the config
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get to save after a stop signal (default
+#                  30; torch >= 2.12 reads it, 2.11 always gives 30)
+# A config error (or missing data, a wrong *_SOCKET_IFNAME...) ends every node at once with one
+# line and exit status 2, before torchrun starts: it is not retried.
+# Stop: SIGTERM, SIGINT or SIGUSR1 to this script on every node (it becomes torchrun) makes the
+# ranks finish their step, save a checkpoint and exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,8 +30,16 @@ cd "$(dirname "$0")/.."
 MASTER_PORT=${MASTER_PORT:-29500}
 RDZV_BACKEND=${RDZV_BACKEND:-c10d}
 TORCHRUN=${TORCHRUN:-torchrun}
+torchrun_path=$(command -v "${TORCHRUN%% *}" || true)
+if [[ -z $torchrun_path ]]; then
+    echo "multinode.sh: '${TORCHRUN%% *}' not found: activate the environment with torch," \
+        "or set TORCHRUN" >&2
+    exit 2
+fi
+PYTHON=${PYTHON:-$(dirname "$torchrun_path")/python}
+[[ -x $PYTHON ]] || PYTHON=python3
 if [[ -z "${NPROC:-}" ]]; then
-    NPROC=$(python -c 'import torch; print(torch.cuda.device_count() or 1)')
+    NPROC=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 1)')
 fi
 # See torchrun.sh: share this node's cores between its processes.
 if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
@@ -36,6 +51,9 @@ fi
 # of the first round, stale keys included: gloo then dials the dead workers' ports. With this
 # set, each round gets a fresh store hosted by its rank 0.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+# torchrun passes these on to the ranks and waits for them to save; by default it dies of
+# SIGUSR1. An older torchrun ignores the variable.
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 
 case "$RDZV_BACKEND" in
     c10d) rdzv=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
@@ -44,6 +62,10 @@ case "$RDZV_BACKEND" in
                   --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT") ;;
     *) echo "RDZV_BACKEND must be c10d or static, got '$RDZV_BACKEND'" >&2; exit 2 ;;
 esac
+
+# Deterministic failures end here, on every node, before any rank starts.
+"$PYTHON" -m launch.check --world-size=$(( NNODES * NPROC )) --nnodes="$NNODES" \
+    --local-world-size="$NPROC" "$@" || exit
 
 # $TORCHRUN unquoted on purpose: it may be a command with arguments
 # (python -m torch.distributed.run).

@@ -30,25 +30,77 @@ logger = logging.getLogger("launch.preflight")
 IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
 
-def missing_interfaces(environ: dict[str, str], present: list[str]) -> list[str]:
-    """One message per *_SOCKET_IFNAME entry that matches no interface of this node.
+def _wanted(var: str, value: str) -> tuple[bool, list[str]]:
+    """(exact, names) of a *_SOCKET_IFNAME value. NCCL's syntax: a comma-separated list of name
+    prefixes, `=name` for exact names, a leading `^` to exclude. gloo takes one exact name."""
+    return var == "GLOO_SOCKET_IFNAME" or value.startswith("="), value.lstrip("=").split(",")
 
-    NCCL's syntax: a comma-separated list of name prefixes, `=name` for an exact name, and a
-    leading `^` to exclude (exclusions cannot be missing). gloo takes one exact name.
-    """
+
+def _matches(name: str, want: str, exact: bool) -> bool:
+    return name == want or (not exact and name.startswith(want))
+
+
+def missing_interfaces(environ: dict[str, str], present: list[str]) -> list[str]:
+    """One message per *_SOCKET_IFNAME entry that matches no interface of this node
+    (exclusions, `^...`, cannot be missing)."""
     problems = []
     for var in IFNAME_VARS:
         value = environ.get(var, "")
         if not value or value.startswith("^"):
             continue
-        exact = var == "GLOO_SOCKET_IFNAME" or value.startswith("=")
-        for want in value.lstrip("=").split(","):
-            if not any(name == want or (not exact and name.startswith(want)) for name in present):
+        exact, wanted = _wanted(var, value)
+        for want in wanted:
+            if not any(_matches(name, want, exact) for name in present):
                 problems.append(
                     f"{var}={value}: no interface {'named' if exact else 'starting with'} "
                     f"'{want}' on {socket.gethostname()} (present: {', '.join(present)})"
                 )
     return problems
+
+
+def interface_addresses() -> dict[str, str]:
+    """The IPv4 address of each interface of this node that has one (Linux SIOCGIFADDR)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()))
+            except OSError:  # no IPv4 address
+                continue
+            found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def describe_interfaces(environ: dict[str, str], nodes: int = 2) -> str:
+    """One line: the interfaces the *_SOCKET_IFNAME variables select here, with addresses, or
+    (unset) the address gloo binds to: the one this node's hostname resolves to."""
+    addresses = interface_addresses()
+    parts = []
+    for var in IFNAME_VARS:
+        value = environ.get(var, "")
+        if value and not value.startswith("^"):
+            exact, wanted = _wanted(var, value)
+            names = [n for n in addresses if any(_matches(n, w, exact) for w in wanted)]
+            chosen = ", ".join(f"{n} {addresses[n]}" for n in names) or "no IPv4 address"
+            parts.append(f"{var}={value} ({chosen})")
+        elif value:
+            parts.append(f"{var}={value}")
+    if parts:
+        return "; ".join(parts)
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return f"no *_SOCKET_IFNAME set and {host} does not resolve: set GLOO_SOCKET_IFNAME"
+    name = next((n for n, a in addresses.items() if a == address), "not an interface here")
+    if address.startswith("127.") and nodes > 1:
+        name += ", loopback: other nodes cannot reach it"
+    return (f"no *_SOCKET_IFNAME set: gloo binds to {host} = {address} ({name}), NCCL picks "
+            "its own; set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to choose")  # fmt: skip
 
 
 def bus_bandwidth(nbytes: int, seconds: float, ranks: int) -> tuple[float, float]:

@@ -1,12 +1,32 @@
 #!/usr/bin/env bash
 # One node, any number of processes: one per GPU, or gloo ranks on CPU.
 #   NPROC=4 ./launch/torchrun.sh configs/debug.toml --train.steps=100
-# NPROC defaults to the number of visible GPUs, or 1 without a GPU.
+#
+# Optional:
+#   NPROC          processes (default: the visible GPUs, or 1 without a GPU)
+#   MAX_RESTARTS   times torchrun restarts all ranks after one fails (default 0); each restart
+#                  resumes from the latest checkpoint (checkpoint.resume=auto), so set
+#                  --checkpoint.interval. A config error is never retried (launch/check.py)
+#   TORCHRUN       the torchrun command (default: torchrun from PATH); PYTHON (default: the
+#                  python beside it) checks the config
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get to save after a stop signal (default
+#                  30; torch >= 2.12 reads it, 2.11 always gives 30)
+# Stop: SIGTERM, SIGINT or SIGUSR1 to this script (it becomes torchrun) makes the ranks finish
+# their step, save a checkpoint and exit; torchrun then exits 1 with a SignalException.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+TORCHRUN=${TORCHRUN:-torchrun}
+torchrun_path=$(command -v "${TORCHRUN%% *}" || true)
+if [[ -z $torchrun_path ]]; then
+    echo "torchrun.sh: '${TORCHRUN%% *}' not found: activate the environment with torch," \
+        "or set TORCHRUN" >&2
+    exit 2
+fi
+PYTHON=${PYTHON:-$(dirname "$torchrun_path")/python}
+[[ -x $PYTHON ]] || PYTHON=python3
 if [[ -z "${NPROC:-}" ]]; then
-    NPROC=$(python -c 'import torch; print(torch.cuda.device_count() or 1)')
+    NPROC=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 1)')
 fi
 # Share the cores between the processes: torchrun's default of 1 thread each leaves cores idle
 # when there are fewer processes than cores, and more threads than cores thrash.
@@ -15,4 +35,17 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
     export OMP_NUM_THREADS
 fi
 
-exec torchrun --standalone --nproc-per-node="$NPROC" train.py "$@"
+# A config error (or missing data, a run folder in use...): one line, exit status 2, no rank
+# started and nothing to retry.
+"$PYTHON" -m launch.check --world-size="$NPROC" "$@" || exit
+# A restart gets a fresh rendezvous store: with the store of the first round, gloo dials the
+# dead ranks' ports ("Gloo connectFullMesh failed").
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+# torchrun passes these on to the ranks and waits for them to save; by default it dies of
+# SIGUSR1. An older torchrun ignores the variable.
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
+
+# $TORCHRUN unquoted on purpose: it may be a command with arguments
+# (python -m torch.distributed.run).
+exec $TORCHRUN --standalone --nproc-per-node="$NPROC" --max-restarts="${MAX_RESTARTS:-0}" \
+    train.py "$@"
