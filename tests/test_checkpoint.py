@@ -1,23 +1,29 @@
 """Checkpoints on real gloo ranks: exact resume, resharding across meshes, crashes mid-save,
-async saves, pruning, model-only loads, and bad input rejected before any collective."""
+async saves, pruning, model-only loads, bad input rejected before any collective, damaged
+checkpoints (skipped or refused, never loaded) and a full disk."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
+import shutil
 import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train
 from checkpoint import COMPLETE
+from checkpoint.integrity import ChecksummingWriter, check_files, read_manifest, verify_files
 from parallel.dims import LaunchEnv
 from tests.distributed import run_distributed
 from tests.test_cli import run_cli
@@ -79,16 +85,16 @@ def test_resume_is_bitwise_exact(sync_run: tuple[list, Path], tiny_dataset: str)
     assert run_distributed(train_losses, 2, argv(tiny_dataset, out, "plain"))[0] == losses
 
 
-class _SlowWriter(FileSystemWriter):
+class _SlowWriter(ChecksummingWriter):
     def write_data(self, plan: Any, planner: Any) -> Any:
         time.sleep(1.0)
         return super().write_data(plan, planner)
 
 
 def train_with_slow_writer(args: list[str]) -> list[float]:
-    import torch.distributed.checkpoint as dcp
+    import checkpoint.manager
 
-    dcp.FileSystemWriter = _SlowWriter  # what the manager builds; only in this rank's process
+    checkpoint.manager.ChecksummingWriter = _SlowWriter  # what it builds; only in this rank
     return train_losses(args)
 
 
@@ -104,6 +110,11 @@ def test_async_save_equals_sync(
     assert run_distributed(train_with_slow_writer, 2, args)[0] == losses
     for step in (4, 8):
         assert (ckpt(out, "async", step) / COMPLETE).is_file()
+        assert (
+            read_manifest(ckpt(out, "async", step)).keys()
+            == read_manifest(ckpt(out, "sync", step)).keys()
+        )  # the same files, each with its size and checksum
+        assert_intact(ckpt(out, "sync", step)), assert_intact(ckpt(out, "async", step))
         sync = load_everything(ckpt(out, "sync", step), tmp_path)
         other = load_everything(ckpt(out, "async", step), tmp_path)
         sync_config, async_config = sync.pop("config"), other.pop("config")
@@ -120,7 +131,7 @@ def test_async_save_equals_sync(
     assert sync["model"]["tok_embeddings.weight"].dtype == torch.float32
 
 
-class _KillingWriter(FileSystemWriter):
+class _KillingWriter(ChecksummingWriter):
     """Writes this rank's data, then SIGKILLs the process when saving the step dir $KILL_AT."""
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -131,9 +142,9 @@ class _KillingWriter(FileSystemWriter):
 
 
 def train_and_get_killed(args: list[str]) -> list[float]:
-    import torch.distributed.checkpoint as dcp
+    import checkpoint.manager
 
-    dcp.FileSystemWriter = _KillingWriter  # only in this rank's process
+    checkpoint.manager.ChecksummingWriter = _KillingWriter  # only in this rank's process
     return train_losses(args)
 
 
@@ -145,7 +156,7 @@ def test_kill_during_save_resumes_from_previous_checkpoint(
 
     To make the kill land inside the save every time, without timing and without hooks in
     production code, rank 1 kills itself: the manager builds its writer as
-    `dcp.FileSystemWriter(path)`, which the ranks of this run replace with a subclass that
+    `ChecksummingWriter(path)`, which the ranks of this run replace with a subclass that
     writes its data and then sends itself SIGKILL while saving step 4. Rank 0 is then blocked
     in DCP's final gather and fails; nobody writes step 4's metadata or COMPLETE marker."""
     losses, out = sync_run
@@ -376,3 +387,193 @@ def test_init_from_hf_equals_load_model_only(
              f"--checkpoint.resume={source}"),
     )[0]  # fmt: skip
     assert from_hf == from_dcp
+
+
+# ---- damaged checkpoints and full disks -----------------------------------------------------
+
+
+def train_py(args: list[str]) -> subprocess.CompletedProcess:
+    """`python train.py ...`: one process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "train.py", *args], cwd=Path(__file__).resolve().parents[1],
+        env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(data)
+
+
+# What goes wrong, and in which file. Rank 0's file: with 2 ranks the content check hands it to
+# rank 1 (files are dealt out largest first), so rank 0 reports what rank 1 found.
+DAMAGE = {
+    "truncated-distcp": ("__0_0.distcp", truncate),
+    "missing-metadata": (".metadata", Path.unlink),
+    "truncated-metadata": (".metadata", truncate),
+    "flipped-byte": ("__0_0.distcp", flip_a_byte),
+}
+
+
+def copy_checkpoints(out: Path, name: str) -> Path:
+    """The sync run's checkpoints (steps 4 and 8) as run `name`'s own; returns the folder."""
+    folder = out / name / "checkpoints"
+    shutil.copytree(ckpt(out, "sync", 4).parent, folder)
+    return folder
+
+
+def lines_with(text: str, needle: str) -> list[str]:
+    return [line for line in text.splitlines() if needle in line]
+
+
+def assert_intact(path: Path) -> None:
+    """Every file of the manifest is there with its size and checksum."""
+    check_files(path)
+    assert verify_files(path, list(read_manifest(path) or [])) == []
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
+    sync_run: tuple[list, Path], tiny_dataset: str, tmp_path: Path, kind: str
+) -> None:
+    """resume=auto skips a damaged step 8 with one warning naming the file, resumes step 4 and
+    trains on exactly: the step-8 checkpoint it saves anew equals the straight run's (weights,
+    optimizer, schedule, data position, counters). Truncations and a missing file are found
+    before the process group (file sizes); the flipped byte only by the checksums, after it
+    (rank 1 sums that file)."""
+    _, out = sync_run
+    name = f"damaged-{kind}"
+    folder = copy_checkpoints(out, name)
+    file, damage = DAMAGE[kind]
+    damage(folder / "step-8" / file)
+
+    result = run_cli(argv(tiny_dataset, out, name, *SAVE_EVERY_4))
+    assert result.returncode == 0, result.stderr[-3000:]
+    [warning] = lines_with(result.stderr, "] WARNING ")
+    assert f"skipping damaged {folder / 'step-8'}: {folder / 'step-8' / file} " in warning
+    assert f"resumed from {folder / 'step-4'} (all state, step 4)" in result.stderr
+    assert "Traceback" not in result.stderr
+    again = load_everything(folder / "step-8", tmp_path)
+    straight = load_everything(ckpt(out, "sync", 8), tmp_path)
+    # Not the CPU RNG state: a resumed run draws once more from it (iter(loader) takes a base
+    # seed after the restore), which no computation of the trainer reads.
+    for entries in (again, straight):
+        entries.pop("config"), entries["train"].pop("rng")
+    assert_same_entries(straight, again)
+    assert_intact(folder / "step-8")
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damaged_explicit_checkpoint_is_one_config_error(
+    sync_run: tuple[list, Path], tiny_dataset: str, kind: str
+) -> None:
+    """checkpoint.resume=<damaged path> is never replaced by another: exit 2, one line naming
+    the file, no traceback (the flipped byte is found after the process group exists)."""
+    _, out = sync_run
+    damaged = out / f"explicit-{kind}" / "step-8"
+    shutil.copytree(ckpt(out, "sync", 8), damaged)
+    file, damage = DAMAGE[kind]
+    damage(damaged / file)
+
+    args = argv(tiny_dataset, out, f"explicit-{kind}-run", "--train.steps=9")
+    result = train_py([*args, f"--checkpoint.resume={damaged}"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    [error] = lines_with(result.stderr, "ERROR")
+    assert f"config error: checkpoint.resume: {damaged / file} " in error
+    assert "the checkpoint is damaged" in error
+    assert "Traceback" not in result.stderr
+
+
+def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(
+    sync_run: tuple[list, Path], tiny_dataset: str
+) -> None:
+    """Starting over would prune the damaged checkpoints once it saved its own: refuse, in one
+    line that lists them, and leave them as they are. Step 8 passes the checks before the
+    process group (a flipped byte), so the fallback to step 4 happens after it."""
+    _, out = sync_run
+    folder = copy_checkpoints(out, "all-damaged")
+    flip_a_byte(folder / "step-8" / "__0_0.distcp")
+    truncate(folder / "step-4" / "__1_0.distcp")
+
+    result = train_py(argv(tiny_dataset, out, "all-damaged", *SAVE_EVERY_4))
+    assert result.returncode == 2, result.stderr[-3000:]
+    [error] = lines_with(result.stderr, "ERROR")
+    assert "every complete checkpoint of this run is damaged" in error
+    for file in (folder / "step-8" / "__0_0.distcp", folder / "step-4" / "__1_0.distcp"):
+        assert str(file) in error
+    assert sorted(p.name for p in folder.iterdir()) == ["step-4", "step-8"]
+    assert all((folder / step / COMPLETE).is_file() for step in ("step-4", "step-8"))
+
+
+def test_checkpoint_without_manifest_loads_with_a_warning(
+    sync_run: tuple[list, Path], tiny_dataset: str
+) -> None:
+    """Checkpoints saved before manifests existed (marker 'step N') still load, with one
+    warning that they are not verified; a truncated data file in one is still found, from the
+    offsets in its .metadata."""
+    _, out = sync_run
+    folder = copy_checkpoints(out, "old")
+    for step in (4, 8):
+        (folder / f"step-{step}" / COMPLETE).write_text(f"step {step}\n")
+    truncate(folder / "step-8" / "__1_0.distcp")
+
+    args = argv(tiny_dataset, out, "old", "--train.steps=9", "--checkpoint.interval=0")
+    result = train_py(args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    skipped, unverified = lines_with(result.stderr, "WARNING")
+    assert f"{folder / 'step-8' / '__1_0.distcp'} has " in skipped
+    assert "its entries in .metadata end at" in skipped
+    assert f"{folder / 'step-4'} has no checksums" in unverified and "unverified" in unverified
+    assert f"resumed from {folder / 'step-4'} (all state, step 4)" in result.stderr
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size_bytes: int) -> Iterator[Path]:
+    """A file system of `size_bytes` at `path`, to fill up for real."""
+    path.mkdir()
+    size = f"size={size_bytes // 1024}k"
+    try:
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(path)], capture_output=True
+        )
+    except FileNotFoundError:
+        pytest.skip("no mount command to make a small tmpfs with")
+    if mounted.returncode != 0:
+        why = mounted.stderr.decode().strip()
+        pytest.skip(f"mounting a small tmpfs needs root (CAP_SYS_ADMIN): {why}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.parametrize("mode", ["off", "async"])
+def test_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_checkpoint(
+    sync_run: tuple[list, Path], tiny_dataset: str, tmp_path: Path, mode: str
+) -> None:
+    """Checkpoints to a tmpfs with room for one and a half: step 2 saves, step 4 runs out of
+    space. The error says so, with the path, in one line (not torch's `unexpected pos`); step 2
+    stays complete and intact, the partial step 4 is gone, and a restart resumes step 2
+    exactly (the losses of the straight run)."""
+    losses, out = sync_run
+    one = sum(f.stat().st_size for f in ckpt(out, "sync", 4).iterdir())
+    with small_tmpfs(tmp_path / "disk", one * 3 // 2) as disk:
+        args = argv(tiny_dataset, tmp_path, "full", f"--checkpoint.folder={disk}")
+        args += ["--checkpoint.keep_last=0", f"--checkpoint.async_mode={mode}"]
+        result = run_cli([*args, "--checkpoint.interval=2"])
+        assert result.returncode != 0
+        full = lines_with(result.stderr, "no space left on device")
+        assert full, result.stderr[-3000:]
+        for line in full:  # each rank, until train.main reports it on rank 0 alone
+            assert f"checkpoint step 4: no space left on device writing {disk / 'step-4'}" in line
+        assert "unexpected pos" not in result.stderr and "CheckpointException" not in result.stderr
+        assert sorted(p.name for p in disk.iterdir()) == ["step-2"]
+        assert_intact(disk / "step-2")
+
+        resumed = run_distributed(train_losses, 2, [*args, "--checkpoint.interval=0"])[0]
+        assert resumed == losses[2:]

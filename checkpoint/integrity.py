@@ -1,0 +1,183 @@
+"""Checkpoint integrity: per-file sizes and CRC32s recorded at save, checked at resume.
+
+See the module docstring of `checkpoint/manager.py` for what the manifest holds and what is
+verified when; this module has the pieces: the writer that records checksums, the cheap checks
+that read no tensor data, and the content check of a share of the files.
+
+CRC32 (zlib) rather than a cryptographic hash: it guards against truncation and flipped bits,
+not against tampering, and on this machine it runs at ~2.7 GB/s against ~1.1 GB/s for
+sha1/sha256 and ~0.4 GB/s for md5/blake2b (`python bench/checkpoint.py --hash-speed`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+
+COMPLETE = "COMPLETE"
+PENDING = "COMPLETE.tmp"  # the manifest until the manager renames it to COMPLETE
+METADATA = ".metadata"  # DCP's index, written by rank 0
+_SIDECAR = "__{rank}_checksums.json"  # one rank's checksums, until rank 0 merges them
+_FORMAT = "fsdp2-trainer manifest 1"
+_CHUNK = 8 << 20  # bytes read at a time: large enough for full speed, small in memory
+
+
+class CorruptCheckpoint(Exception):
+    """One file of a checkpoint is missing, truncated or changed; `str` names it and why."""
+
+    def __init__(self, file: Path, why: str) -> None:
+        super().__init__(f"{file} {why}")
+        self.file = file
+
+
+def crc32(path: Path) -> tuple[int, int]:
+    """(size, CRC32) of a file, read in chunks (zlib releases the GIL while it sums)."""
+    crc, size = 0, 0
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return size, crc
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """DCP's file writer, plus: each rank sums the files it wrote, and rank 0 merges the sums.
+
+    Both happen inside DCP's save steps, so no rank reads another's files, an async save does
+    the summing in its background thread, and an error (a full disk) reaches every rank the way
+    DCP reports errors: as the save's exception.
+    """
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        start = time.perf_counter()
+        folder = Path(self.path)
+        names = sorted({result.storage_data.relative_path for result in future.wait()})
+        files = {name: _entry(*crc32(folder / name)) for name in names}
+        rank = plan.storage_data.prefix.strip("_")  # DCP names this rank's files __<rank>_<i>
+        sums = {"files": files, "seconds": time.perf_counter() - start}
+        (folder / _SIDECAR.format(rank=rank)).write_text(json.dumps(sums))
+        return future
+
+    def finish(self, metadata: Metadata, results: list) -> None:
+        """On rank 0, after every rank wrote its data: write .metadata, then the manifest."""
+        super().finish(metadata, results)
+        start = time.perf_counter()
+        folder = Path(self.path)
+        files: dict[str, dict[str, int]] = {}
+        seconds = 0.0  # ranks sum in parallel: the slowest one is what the save waited for
+        sidecars = [folder / _SIDECAR.format(rank=rank) for rank in range(len(results))]
+        for sidecar in sidecars:
+            sums = json.loads(sidecar.read_text())
+            files |= sums["files"]
+            seconds = max(seconds, sums["seconds"])
+        files[METADATA] = _entry(*crc32(folder / METADATA))
+        # One line per file, for people who read it: {"format", "checksum", "files": {...}}.
+        header = json.dumps({"format": _FORMAT, "checksum": "crc32"})[:-1]
+        entries = [f" {json.dumps(name)}: {json.dumps(files[name])}" for name in sorted(files)]
+        with open(folder / PENDING, "w") as f:
+            f.write(header + ', "files": {\n' + ",\n".join(entries) + "\n}}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        for sidecar in sidecars:
+            sidecar.unlink()
+        self.checksum_seconds = seconds + time.perf_counter() - start
+
+
+def _entry(size: int, crc: int) -> dict[str, int]:
+    return {"bytes": size, "crc32": crc}
+
+
+def read_manifest(directory: Path) -> dict[str, dict[str, int]] | None:
+    """File name -> {"bytes", "crc32"} from the COMPLETE marker; None for a checkpoint saved
+    before manifests existed (its marker is "step N" or empty)."""
+    text = (directory / COMPLETE).read_text()
+    if not text.lstrip().startswith("{"):
+        return None
+    try:
+        manifest = json.loads(text)
+        if manifest.get("format") != _FORMAT:
+            raise ValueError(f"unknown format {manifest.get('format')!r}")
+        return manifest["files"]
+    except (ValueError, KeyError, AttributeError) as err:
+        why = f"is not a readable manifest ({err})"
+        raise CorruptCheckpoint(directory / COMPLETE, why) from None
+
+
+def check_files(directory: Path) -> Metadata:
+    """The checks that read no tensor data: every file the manifest lists is there with its
+    size, .metadata can be read, and every file it points into is long enough. Raises
+    CorruptCheckpoint naming the first bad file; returns the metadata."""
+    manifest = read_manifest(directory)
+    for name, entry in (manifest or {}).items():
+        _check_size(directory / name, entry["bytes"], "recorded in the manifest", exact=True)
+    try:
+        metadata = FileSystemReader(str(directory)).read_metadata()
+    except FileNotFoundError:
+        raise CorruptCheckpoint(directory / METADATA, "is missing") from None
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged file
+        why = f"cannot be read ({_one_line(err)})"
+        raise CorruptCheckpoint(directory / METADATA, why) from None
+    # Without a manifest (an old checkpoint) this still catches a truncated data file.
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        _check_size(directory / name, end, "that its entries in .metadata end at", exact=False)
+    return metadata
+
+
+def _check_size(path: Path, expected: int, what: str, exact: bool) -> None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CorruptCheckpoint(path, "is missing") from None
+    if size < expected or (exact and size != expected):
+        raise CorruptCheckpoint(path, f"has {size:,} bytes, not the {expected:,} {what}")
+
+
+def verify_files(directory: Path, names: list[str]) -> list[str]:
+    """Sum the named files and compare with the manifest: one 'file why' per bad file."""
+    manifest = read_manifest(directory) or {}
+    bad = []
+    for name in names:
+        try:
+            size, crc = crc32(directory / name)
+        except FileNotFoundError:
+            bad.append(f"{directory / name} is missing")
+            continue
+        entry = manifest[name]
+        if (size, crc) != (entry["bytes"], entry["crc32"]):
+            bad.append(
+                f"{directory / name} does not match its checksum (CRC32 {crc:#010x} of "
+                f"{size:,} bytes, recorded {entry['crc32']:#010x} of {entry['bytes']:,}): "
+                "its content changed after the save"
+            )
+    return bad
+
+
+def split_by_size(sizes: dict[str, int], parts: int) -> list[list[str]]:
+    """Deal files out to `parts` ranks, largest first to the least loaded: about equal bytes
+    each. Deterministic, so every rank computes the same split on its own."""
+    shares: list[list[str]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        least = loads.index(min(loads))
+        shares[least].append(name)
+        loads[least] += sizes[name]
+    return shares
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
