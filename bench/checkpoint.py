@@ -6,8 +6,11 @@ synchronous (`checkpoint.async_mode=off`) vs `async`, at world size 2.
     python bench/checkpoint.py --quick    # smoke run: the harness works, the numbers mean nothing
 
 Every number comes from running `train.py` under torchrun and parsing rank 0's log lines
-`checkpoint step N: blocked X s, total Y s` (blocked: time the loop spent in the save call;
-total: from the call until every rank finished writing) and `resumed from ... in Z s`.
+`checkpoint step N: blocked X s, total Y s, checksums C s` (blocked: time the loop spent in the
+save call; total: from the call until every rank finished writing; checksums: the part of it
+spent summing the files, ranks in parallel), `... match their checksums, verified in V s` and
+`resumed from ... in Z s` (the load after verification). Also the speed of zlib.crc32 against
+hashlib's digests on this CPU, which is why the manifest holds CRC32s.
 For each model: one run per mode that saves every `--interval` steps, then one run that
 resumes (loads) the sync run's last checkpoint. The last save of a run is left out of the
 medians: the end of training waits for it in either mode (unless the run saves only once).
@@ -43,8 +46,11 @@ MODELS = {
     + ["--data.seq_len=256", "--train.global_batch_size=2", "--train.micro_batch_size=1"],
 }
 QUICK_ARGS = ["--data.seq_len=64"]
-SAVE_RE = re.compile(r"checkpoint step (\d+): blocked ([\d.]+) s, total ([\d.]+) s \((.+)\)")
+SAVE_RE = re.compile(
+    r"checkpoint step (\d+): blocked ([\d.]+) s, total ([\d.]+) s, checksums ([\d.]+) s \((.+)\)"
+)
 LOAD_RE = re.compile(r"resumed from \S+ \(all state, step (\d+)\) in ([\d.]+) s")
+VERIFY_RE = re.compile(r"match their checksums, verified in ([\d.]+) s")
 PARAMS_RE = re.compile(r"\bmodel \S+: ([\d,]+) parameters")
 
 
@@ -79,7 +85,9 @@ def save_case(model: str, mode: str, opts: Namespace) -> dict:
     start = time.perf_counter()
     log, command = run_train(label, args, opts)
     wall = time.perf_counter() - start
-    saves = [(int(s), float(b), float(t), Path(p)) for s, b, t, p in SAVE_RE.findall(log)]
+    found = SAVE_RE.findall(log)
+    saves = [(int(s), float(b), float(t), Path(p)) for s, b, t, _, p in found]
+    checksums = [float(c) for _, _, _, c, _ in found]
     if not saves:
         sys.exit(f"{label}: no 'checkpoint step' lines in {opts.out.parent / 'runs' / label}")
     params = PARAMS_RE.search(log)
@@ -91,6 +99,7 @@ def save_case(model: str, mode: str, opts: Namespace) -> dict:
         "saves": [{"step": s, "blocked_s": b, "total_s": t} for s, b, t, _ in saves],
         "blocked_s": statistics.median(b for _, b, _, _ in mid),
         "total_s": statistics.median(t for _, _, t, _ in mid),
+        "checksum_s": statistics.median(checksums[: len(mid)]),
         "bytes": du(saves[-1][3]),
         "last_checkpoint": str(saves[-1][3]),
         "wall_s": round(wall, 1),
@@ -106,10 +115,48 @@ def load_case(saved: dict, opts: Namespace) -> dict:
     args = [*MODELS[saved["model"]], *(QUICK_ARGS if opts.quick else [])]
     args += [f"--train.steps={opts.steps + 1}", "--checkpoint.interval=0"]
     log, command = run_train(label, args, opts)  # same run name: resume=auto finds it
-    found = LOAD_RE.search(log)
-    if not found:
-        sys.exit(f"{label}: no 'resumed from' line in the resume run")
-    return {"load_s": float(found.group(2)), "step": int(found.group(1)), "command": command}
+    found, verified = LOAD_RE.search(log), VERIFY_RE.search(log)
+    if not found or not verified:
+        sys.exit(f"{label}: no 'resumed from' or 'verified in' line in the resume run")
+    return {
+        "load_s": float(found.group(2)),
+        "verify_s": float(verified.group(1)),
+        "step": int(found.group(1)),
+        "command": command,
+    }
+
+
+def hash_speeds(mib: int = 256) -> dict[str, float]:
+    """GB/s of zlib.crc32 and hashlib digests over `mib` MiB in memory, in 8 MiB chunks (as
+    checkpoint/integrity.py reads files): the best of two passes each."""
+    import hashlib
+    import zlib
+
+    data = memoryview(os.urandom(mib << 20))
+    chunks = [data[i : i + (8 << 20)] for i in range(0, len(data), 8 << 20)]
+
+    def crc32() -> None:
+        crc = 0
+        for chunk in chunks:
+            crc = zlib.crc32(chunk, crc)
+
+    def digest(name: str):
+        def run() -> None:
+            h = hashlib.new(name)
+            for chunk in chunks:
+                h.update(chunk)
+
+        return run
+
+    speeds = {}
+    for name, fn in [("crc32", crc32)] + [(n, digest(n)) for n in ("sha1", "sha256", "md5")]:
+        best = float("inf")
+        for _ in range(2):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        speeds[name] = round(len(data) / best / 1e9, 2)
+    return speeds
 
 
 def markdown(report: dict) -> str:
@@ -120,15 +167,20 @@ def markdown(report: dict) -> str:
         f"{m['threads']} threads/rank, {m['date']}, load avg {m['load_avg_1m_start']:.2f} -> "
         f"{m['load_avg_1m_end']:.2f}{quick}",
         "",
-        "| model | params | checkpoint | mode | save total s | loop blocked s | load s |",
-        "|---|---|---|---|---|---|---|",
+        "| model | params | checkpoint | mode | save total s | of which checksums s "
+        "| loop blocked s | verify s | load s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
         load = f"{r['load']['load_s']:.2f}" if "load" in r else "-"
+        verify = f"{r['load']['verify_s']:.2f}" if "load" in r else "-"
         lines.append(
             f"| {r['model']} | {r['params'] or 0:,} | {r['bytes'] / 2**20:,.0f} MiB | {r['mode']} "
-            f"| {r['total_s']:.2f} | {r['blocked_s']:.3f} | {load} |"
+            f"| {r['total_s']:.2f} | {r['checksum_s']:.2f} | {r['blocked_s']:.3f} | {verify} "
+            f"| {load} |"
         )
+    speeds = ", ".join(f"{name} {gbps} GB/s" for name, gbps in report["hash_gbps"].items())
+    lines += ["", f"Checksum speed, one thread, 256 MiB in memory: {speeds}"]
     return "\n".join(lines)
 
 
@@ -169,6 +221,7 @@ def parse_args(argv: list[str] | None) -> Namespace:
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     report: dict = {"machine": machine_facts(opts.threads), "quick": opts.quick, "runs": []}
+    report["hash_gbps"] = hash_speeds()
     for model in opts.models:
         sync = save_case(model, "off", opts)
         report["runs"] += [sync, save_case(model, "async", opts)]
