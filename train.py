@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from checkpoint import (
     CheckpointConfig,
     Checkpointer,
+    CheckpointError,
     ResumePoint,
     TrainState,
     build_states,
@@ -746,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ConfigError as err:
         return report(env, f"config error: {err}", 2)
-    except NonFiniteError as err:
+    except (NonFiniteError, CheckpointError) as err:  # one line each, e.g. a full disk
         return report(env, str(err), 1)
     return 0
 
