@@ -23,6 +23,24 @@ from tests.test_train import TINY
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = f"{sys.executable} -m torch.distributed.run"
 HSDP_2X2 = "mesh DeviceMesh((dp_replicate=2, dp_shard=2)"
+# The environment's bin/ first on PATH, as after `source .venv/bin/activate`: the launchers find
+# torchrun and python there.
+ENV = os.environ | {
+    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    "OMP_NUM_THREADS": "1",
+}
+# What the trainer logs: "resuming <run>/checkpoints/step-12 at step 12 of 40", and where it
+# stopped on a signal: "stopped by SIGTERM after step 12/400".
+RESUMING = re.compile(r"resuming \S+step-(\d+) at step (\d+) of \d+")
+STOPPED = re.compile(r"stopped by (SIG\w+) after step (\d+)/\d+")
+
+
+def step_logged(step: int, log: str) -> bool:
+    return re.search(rf"step {step}/\d+  loss", log) is not None
+
+
+def last_logged_step(log: str) -> int:
+    return max((int(s) for s in re.findall(r"step (\d+)/\d+  loss", log)), default=0)
 
 
 def free_port() -> int:
@@ -39,30 +57,19 @@ def tiny_args(dataset: str, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-class Nodes:
-    """Two torchrun agents started by launch/multinode.sh, one log file each."""
+class Launched:
+    """Launch scripts started in the background, each in a session of its own, one log each."""
 
-    def __init__(self, tmp: Path, args: list[str], max_restarts: int = 0, nnodes: int = 2):
-        port = free_port()
-        self.logs = [tmp / f"node{i}.log" for i in range(nnodes)]
+    def __init__(self, logs: list[Path], cmds: list[list[str]], envs: list[dict[str, str]]):
+        self.logs = logs
         self.procs: list[subprocess.Popen] = []
-        for i, log in enumerate(self.logs):
-            env = os.environ | {
-                "NNODES": str(nnodes), "NODE_RANK": str(i), "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port), "NPROC": "2", "OMP_NUM_THREADS": "1",
-                "MAX_RESTARTS": str(max_restarts), "TORCHRUN": TORCHRUN,
-            }  # fmt: skip
+        for log, cmd, env in zip(logs, cmds, envs, strict=True):
             with open(log, "w") as out:
-                self.procs.append(
-                    subprocess.Popen(
-                        ["launch/multinode.sh", *args],
-                        cwd=ROOT,
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )  # fmt: skip
-                )
+                proc = subprocess.Popen(
+                    cmd, cwd=ROOT, env=ENV | env, stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )  # fmt: skip
+            self.procs.append(proc)
 
     def text(self) -> str:
         return "\n".join(log.read_text() for log in self.logs)
@@ -83,18 +90,26 @@ class Nodes:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         return [p.returncode for p in self.procs]
 
-    def worker_pid(self, rank: int) -> int:
-        """PID of the training process with this global RANK (a child of some agent)."""
+    def worker_pids(self) -> dict[int, int]:
+        """{global RANK: PID} of the training processes, the children of the agents."""
         agents = {str(p.pid) for p in self.procs}
+        found = {}
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 ppid = stat.read_text().rsplit(")", 1)[1].split()[1]
                 environ = (stat.parent / "environ").read_bytes().split(b"\0")
             except (OSError, IndexError):
                 continue
-            if ppid in agents and f"RANK={rank}".encode() in environ:
-                return int(stat.parent.name)
-        raise AssertionError(f"no worker with RANK={rank} under agents {agents}")
+            ranks = [v for v in environ if v.startswith(b"RANK=")]
+            if ppid in agents and ranks:
+                found[int(ranks[0][5:])] = int(stat.parent.name)
+        return found
+
+    def worker_pid(self, rank: int) -> int:
+        """PID of the training process with this global RANK (a child of some agent)."""
+        pids = self.worker_pids()
+        assert rank in pids, f"no worker with RANK={rank} under agents {self.procs}"
+        return pids[rank]
 
     def kill(self) -> None:
         for p in self.procs:
@@ -103,53 +118,82 @@ class Nodes:
                 p.wait()
 
 
+def alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 @pytest.fixture
-def nodes():
-    started: list[Nodes] = []
+def launch():
+    """launch.nodes(tmp, args, ...): launch/multinode.sh as `nnodes` agents on 127.0.0.1;
+    launch.single(log, args, **env): launch/torchrun.sh. Whatever is left is killed after."""
+    started: list[Launched] = []
 
-    def start(*args, **kwargs) -> Nodes:
-        started.append(Nodes(*args, **kwargs))
-        return started[-1]
+    class Start:
+        @staticmethod
+        def nodes(tmp: Path, args: list[str], max_restarts: int = 0, nnodes: int = 2,
+                  **env: str) -> Launched:  # fmt: skip
+            port = free_port()
+            envs = [env | {
+                "NNODES": str(nnodes), "NODE_RANK": str(i), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "NPROC": "2", "MAX_RESTARTS": str(max_restarts),
+                "TORCHRUN": TORCHRUN,
+            } for i in range(nnodes)]  # fmt: skip
+            logs = [tmp / f"node{i}.log" for i in range(nnodes)]
+            started.append(Launched(logs, [["launch/multinode.sh", *args]] * nnodes, envs))
+            return started[-1]
 
-    yield start
-    for n in started:
-        n.kill()
+        @staticmethod
+        def single(log: Path, args: list[str], **env: str) -> Launched:
+            started.append(Launched([log], [["launch/torchrun.sh", *args]], [{"NPROC": "2"} | env]))
+            return started[-1]
+
+    yield Start
+    for run in started:
+        stragglers = run.worker_pids().values()
+        run.kill()
+        for pid in stragglers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
-def test_two_torchrun_agents_train_hsdp_2x2(tiny_dataset: str, tmp_path: Path, nodes) -> None:
-    run = nodes(tmp_path, tiny_args(tiny_dataset, tmp_path, "--train.steps=4"))
+def test_two_torchrun_agents_train_hsdp_2x2(tiny_dataset: str, tmp_path: Path, launch) -> None:
+    run = launch.nodes(tmp_path, tiny_args(tiny_dataset, tmp_path, "--train.steps=4"))
     assert run.wait(timeout=120) == [0, 0], run.text()[-4000:]
     log = run.text()
     assert HSDP_2X2 in log, log[-4000:]
-    assert "step 4  loss" in log
+    assert step_logged(4, log)
 
 
 @pytest.mark.slow
-def test_killed_worker_restarts_group_and_resumes(tiny_dataset: str, tmp_path: Path, nodes):
+def test_killed_worker_restarts_group_and_resumes(tiny_dataset: str, tmp_path: Path, launch):
     """SIGKILL one rank mid-run: torchrun restarts every node's workers, which resume from the
     latest complete checkpoint (resume=auto) and reach the last step."""
     args = tiny_args(
         tiny_dataset, tmp_path, "--train.steps=40", "--checkpoint.interval=5",
         "--metrics.log_interval=5",
     )  # fmt: skip
-    run = nodes(tmp_path, args, max_restarts=1)
+    run = launch.nodes(tmp_path, args, max_restarts=1)
     run.wait_for(r"checkpoint step 10:", timeout=90)
     os.kill(run.worker_pid(rank=3), signal.SIGKILL)
     assert run.wait(timeout=150) == [0, 0], run.text()[-4000:]
     log = run.text()
-    resumed = re.search(r"resumed from \S+ \(all state, step (\d+)\)", log)
-    assert resumed and int(resumed.group(1)) >= 10, log[-4000:]
-    assert HSDP_2X2 in log and re.search(r"step 40  loss", log[resumed.end() :])
+    resumed = RESUMING.search(log)
+    assert resumed and int(resumed.group(2)) >= 10, log[-4000:]
+    assert HSDP_2X2 in log and step_logged(40, log[resumed.end() :])
 
 
 @pytest.mark.slow
-def test_killed_worker_without_restarts_fails_fast(tiny_dataset: str, tmp_path: Path, nodes):
+def test_killed_worker_without_restarts_fails_fast(tiny_dataset: str, tmp_path: Path, launch):
     """No restarts: every agent exits non-zero, well within the collective timeout, and the log
     names the killed rank."""
     args = tiny_args(tiny_dataset, tmp_path, "--train.steps=400", "--metrics.log_interval=5")
-    run = nodes(tmp_path, args, max_restarts=0)
-    run.wait_for(r"step 10  loss", timeout=90)
+    run = launch.nodes(tmp_path, args, max_restarts=0)
+    run.wait_for(r"step 10/\d+  loss", timeout=90)
     os.kill(run.worker_pid(rank=3), signal.SIGKILL)
     start = time.monotonic()
     codes = run.wait(timeout=90)
@@ -157,6 +201,184 @@ def test_killed_worker_without_restarts_fails_fast(tiny_dataset: str, tmp_path: 
     assert all(code != 0 for code in codes), (codes, log[-4000:])
     assert "rank      : 3" in log and "Signal 9 (SIGKILL)" in log, log[-4000:]
     print(f"failed {time.monotonic() - start:.1f} s after the kill")
+
+
+# ---- Deterministic failures: one line, exit status 2, no rank started, nothing retried ------
+
+
+def one_line_failure(log: str, code: int, expected: str) -> None:
+    """The launcher exited 2 with one line containing `expected`, and nothing from torchrun."""
+    assert code == 2, (code, log[-4000:])
+    lines = [line for line in log.splitlines() if expected in line]
+    assert len(lines) == 1, log[-4000:]
+    for noise in ("Traceback", "ChildFailedError", "torch.distributed.elastic"):
+        assert noise not in log, log[-4000:]
+
+
+FAILURES = {
+    "mesh": (["--parallel.mesh=manual", "--parallel.dp_replicate=3"], {}, "config error: "),
+    "data": (["--data.path=no/such/dataset"], {}, "config error: data.path"),
+    "interface": ([], {"GLOO_SOCKET_IFNAME": "nosuchif0"}, "network error: GLOO_SOCKET_IFNAME"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "launcher, failure",
+    # A plain `python train.py` is one process: it has no interface to check.
+    [(launcher, failure) for launcher in ("python", "torchrun.sh", "multinode.sh")
+     for failure in FAILURES if (launcher, failure) != ("python", "interface")],
+)  # fmt: skip
+def test_deterministic_failure_is_one_line_and_exit_2(
+    tiny_dataset: str, tmp_path: Path, launch, launcher: str, failure: str
+) -> None:
+    """A config error, missing data or a wrong *_SOCKET_IFNAME ends every launcher at once with
+    exit status 2 and one line, before any rank starts: MAX_RESTARTS cannot retry it."""
+    extra, env, expected = FAILURES[failure]
+    args = tiny_args(tiny_dataset, tmp_path, "--train.steps=4", *extra)
+    start = time.monotonic()
+    if launcher == "python":
+        result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=ENV | env,
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        runs = [(result.stdout + result.stderr, result.returncode)]
+    else:
+        if launcher == "torchrun.sh":
+            run = launch.single(tmp_path / "run.log", args, MAX_RESTARTS="2", **env)
+        else:
+            run = launch.nodes(tmp_path, args, max_restarts=2, **env)
+        codes = run.wait(timeout=60)
+        runs = list(zip([log.read_text() for log in run.logs], codes, strict=True))
+    for log, code in runs:
+        one_line_failure(log, code, expected)
+    print(f"{launcher} {failure}: exit 2 after {time.monotonic() - start:.1f} s")
+
+
+def test_missing_torchrun_is_one_line(tmp_path: Path) -> None:
+    env = ENV | {"TORCHRUN": str(tmp_path / "no-torchrun"), "NNODES": "2",
+                 "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
+    for script in ("launch/torchrun.sh", "launch/multinode.sh"):
+        result = subprocess.run([script, "configs/debug.toml"], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.count("\n") == 1 and "no-torchrun' not found" in result.stderr
+
+
+# ---- Stop signals, restarts and a dying launcher under launch/torchrun.sh --------------------
+
+# checkpoint.interval far beyond the run: only a stop can save anything.
+LONG_RUN = ["--train.steps=4000", "--checkpoint.interval=1000", "--metrics.log_interval=5"]
+
+
+def stopped_and_saved(log: str, signame: str, ckpt: Path) -> int:
+    """The step all ranks stopped after, on `signame`, and its checkpoint is complete."""
+    stopped = STOPPED.search(log)
+    assert stopped and stopped.group(1) == signame, log[-4000:]
+    step = int(stopped.group(2))
+    assert f"checkpoint step {step}:" in log, log[-4000:]
+    assert (ckpt / f"step-{step}" / "COMPLETE").exists(), log[-4000:]
+    return step
+
+
+@pytest.mark.slow
+def test_torchrun_sh_sigterm_saves_and_the_next_launch_resumes_there(
+    tiny_dataset: str, tmp_path: Path, launch
+) -> None:
+    """SIGTERM to the launcher: the ranks finish their step, save it and exit; the same command
+    resumes at exactly that step, so no finished step is redone."""
+    run = launch.single(tmp_path / "first.log", tiny_args(tiny_dataset, tmp_path, *LONG_RUN))
+    run.wait_for(r"step 10/\d+  loss", timeout=90)
+    ranks = run.worker_pids()
+    start = time.monotonic()
+    os.kill(run.procs[0].pid, signal.SIGTERM)
+    run.wait(timeout=60)
+    gone = time.monotonic() - start
+    assert not any(alive(pid) for pid in ranks.values())
+    step = stopped_and_saved(run.text(), "SIGTERM", tmp_path / "debug" / "checkpoints")
+
+    args = tiny_args(tiny_dataset, tmp_path, f"--train.steps={step + 2}")
+    again = launch.single(tmp_path / "second.log", args)
+    assert again.wait(timeout=90) == [0], again.text()[-4000:]
+    resumed = RESUMING.search(again.text())
+    assert resumed and int(resumed.group(2)) == step, again.text()[-4000:]
+    print(f"SIGTERM: saved step {step}, torchrun and ranks gone {gone:.1f} s after the "
+          f"signal; resumed at step {resumed.group(2)}")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_second_launch_on_a_run_folder_in_use_is_refused_and_sigusr1_stops_the_first(
+    tiny_dataset: str, tmp_path: Path, launch
+) -> None:
+    """A second launch/torchrun.sh on the same run folder: one line naming the holder, exit 2,
+    the first run untouched. Then SIGUSR1 to the first torchrun (Slurm's warning signal):
+    its ranks save and exit instead of being orphaned by a torchrun killed by the signal."""
+    args = tiny_args(tiny_dataset, tmp_path, *LONG_RUN)
+    first = launch.single(tmp_path / "first.log", args)
+    first.wait_for(r"step 10/\d+  loss", timeout=90)
+    start = time.monotonic()
+    second = launch.single(tmp_path / "second.log", args)
+    [code] = second.wait(timeout=60)
+    one_line_failure(second.text(), code, "is in use by")
+    print(f"second launch: exit 2 after {time.monotonic() - start:.1f} s")
+    assert first.procs[0].poll() is None, first.text()[-4000:]
+
+    ranks = first.worker_pids()
+    start = time.monotonic()
+    os.kill(first.procs[0].pid, signal.SIGUSR1)
+    first.wait(timeout=60)
+    assert not any(alive(pid) for pid in ranks.values())
+    step = stopped_and_saved(first.text(), "SIGUSR1", tmp_path / "debug" / "checkpoints")
+    print(f"SIGUSR1: saved step {step}, torchrun and ranks gone {time.monotonic() - start:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["pid", "process group"])
+def test_kill_9_of_torchrun_ends_its_ranks(
+    tiny_dataset: str, tmp_path: Path, launch, target: str
+) -> None:
+    """kill -9 of the torchrun agent (or of its process group: the ranks have sessions of their
+    own) leaves no orphans: the kernel sends each rank SIGTERM (PR_SET_PDEATHSIG), and they
+    stop as on preemption, saving the step in flight."""
+    run = launch.single(tmp_path / "run.log", tiny_args(tiny_dataset, tmp_path, *LONG_RUN))
+    run.wait_for(r"step 10/\d+  loss", timeout=90)
+    ranks = run.worker_pids()
+    assert len(ranks) == 2, ranks
+    start = time.monotonic()
+    if target == "pid":
+        os.kill(run.procs[0].pid, signal.SIGKILL)
+    else:
+        os.killpg(run.procs[0].pid, signal.SIGKILL)
+    while any(alive(pid) for pid in ranks.values()):
+        assert time.monotonic() - start < 30, f"ranks {ranks} outlived torchrun by 30 s"
+        time.sleep(0.05)
+    gone = time.monotonic() - start
+    step = stopped_and_saved(run.text(), "SIGTERM", tmp_path / "debug" / "checkpoints")
+    print(f"kill -9 of torchrun ({target}): ranks gone after {gone:.1f} s, saved step {step}")
+
+
+@pytest.mark.slow
+def test_torchrun_sh_restarts_a_killed_rank_from_the_checkpoint(
+    tiny_dataset: str, tmp_path: Path, launch
+) -> None:
+    """MAX_RESTARTS=1 under --standalone: the restarted ranks meet in a fresh store
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE) and resume from the latest checkpoint."""
+    args = tiny_args(
+        tiny_dataset, tmp_path, "--train.steps=40", "--checkpoint.interval=5",
+        "--metrics.log_interval=5",
+    )  # fmt: skip
+    run = launch.single(tmp_path / "run.log", args, MAX_RESTARTS="1")
+    run.wait_for(r"checkpoint step 10:", timeout=90)
+    os.kill(run.worker_pid(rank=1), signal.SIGKILL)
+    start = time.monotonic()
+    killed_after = last_logged_step(run.text())
+    run.wait_for(RESUMING.pattern, timeout=90)
+    restarted = time.monotonic() - start
+    assert run.wait(timeout=150) == [0], run.text()[-4000:]
+    log = run.text()
+    resumed = RESUMING.search(log)
+    assert resumed and int(resumed.group(2)) >= 10, log[-4000:]
+    assert step_logged(40, log[resumed.end() :]) and "connectFullMesh" not in log
+    print(f"rank killed after step >= {killed_after}, resumed at step {resumed.group(2)} "
+          f"{restarted:.1f} s after the kill")  # fmt: skip
 
 
 # ---- Slurm: a real controller and two slurmd "nodes" in network namespaces (tests/slurm) -----
@@ -181,22 +403,26 @@ def slurm(tmp_path_factory: pytest.TempPathFactory):
         subprocess.run([str(CLUSTER), "down"], env=env, capture_output=True, timeout=60)
 
 
-def sbatch(bin_dir: Path, out: Path, args: list[str], timeout: float = 150, **env_vars: str) -> str:
-    """Submit launch/hsdp.sbatch on 2 CPU nodes x 2 ranks and wait; returns the job's log."""
-    env = os.environ | env_vars | {
-        "NPROC_PER_NODE": "2", "TORCHRUN": str(Path(sys.executable).with_name("torchrun")),
-        "MASTER_PORT": str(free_port()), "MAX_RESTARTS": "0", "OMP_NUM_THREADS": "1",
-    }  # fmt: skip
+# What a CPU-only cluster adds to the documented command (see launch/hsdp.sbatch's header).
+CPU_CLUSTER = ["--gpus-per-node=0"]
+
+
+def sbatch(
+    bin_dir: Path, out: Path, args: list[str], *, cwd: Path = ROOT,
+    script: str = "launch/hsdp.sbatch", timeout: float = 150, expect: int = 0, **env: str,
+) -> str:  # fmt: skip
+    """`sbatch --wait --gpus-per-node=0 launch/hsdp.sbatch ARGS` on the test cluster (2 nodes of
+    this machine's cores, so 2 ranks each by default); returns the job's log."""
     cmd = [
-        "timeout", str(timeout), str(bin_dir / "sbatch"), "--wait", "--nodes=2",
-        "--cpus-per-task=1", "--gpus-per-node=0", f"--output={out}", "launch/hsdp.sbatch", *args,
+        "timeout", str(timeout), str(bin_dir / "sbatch"), "--wait", *CPU_CLUSTER,
+        f"--output={out}", script, *args,
     ]  # fmt: skip
     # `timeout` first: a job that cannot be scheduled pends forever and --wait with it.
     result = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout + 30
+        cmd, cwd=cwd, env=ENV | env, capture_output=True, text=True, timeout=timeout + 30
     )
     log = out.read_text() if out.exists() else ""
-    assert result.returncode == 0, f"{result.stdout}{result.stderr}\n{log[-4000:]}"
+    assert result.returncode == expect, f"{result.stdout}{result.stderr}\n{log[-4000:]}"
     return log
 
 
@@ -204,17 +430,111 @@ def sbatch(bin_dir: Path, out: Path, args: list[str], timeout: float = 150, **en
 def test_sbatch_hsdp_two_nodes_trains_checkpoints_and_resumes(
     slurm: Path, tiny_dataset: str, tmp_path: Path
 ) -> None:
-    args = tiny_args(tiny_dataset, tmp_path, "--checkpoint.interval=2", "--train.steps=4")
+    """The documented command, config file first: 2 nodes x 2 ranks train HSDP 2x2 and save.
+    Submitted again from another directory, with paths relative to it, the job resumes."""
+    train = tiny_args(tiny_dataset, tmp_path, "--checkpoint.interval=2", "--train.steps=4")
     preflight = {"PREFLIGHT": "1", "PREFLIGHT_ARGS": "--size-mb=1 --iters=2"}
-    log = sbatch(slurm, tmp_path / "first.out", args, **preflight)
+    log = sbatch(slurm, tmp_path / "first.out", ["configs/debug.toml", *train],
+                 GLOO_SOCKET_IFNAME="eth0", **preflight)  # fmt: skip
+    assert re.search(r"network: GLOO_SOCKET_IFNAME=eth0 \(eth0 10\.[\d.]+\)", log), log[-4000:]
     assert re.search(r"inter-node \(dp_replicate, 2 ranks, .*busbw", log), log[-4000:]
     assert re.search(r"node 1 \(node[12]\): ranks \[2, 3\]", log), log[-4000:]
-    assert HSDP_2X2 in log and "step 4  loss" in log, log[-4000:]
+    assert HSDP_2X2 in log and step_logged(4, log), log[-4000:]
     assert (tmp_path / "debug" / "checkpoints" / "step-4" / "COMPLETE").exists()
 
-    log = sbatch(slurm, tmp_path / "second.out", [*args, "--train.steps=6"])
-    assert re.search(r"resumed from \S+step-4 \(all state, step 4\)", log), log[-4000:]
-    assert "step 6  loss" in log
+    # Slurm runs a spooled copy of the script: it must not look for the repo next to itself.
+    (tmp_path / "my.toml").write_text((ROOT / "configs" / "debug.toml").read_text())
+    train = tiny_args(tiny_dataset, Path("."), "--checkpoint.interval=2", "--train.steps=6")
+    log = sbatch(slurm, tmp_path / "second.out", ["my.toml", *train], cwd=tmp_path,
+                 script=str(ROOT / "launch" / "hsdp.sbatch"))  # fmt: skip
+    resumed = RESUMING.search(log)
+    assert resumed and resumed.group(2) == "4", log[-4000:]
+    assert step_logged(6, log) and (tmp_path / "debug" / "checkpoints" / "step-6").exists()
+
+
+@pytest.mark.slow
+def test_sbatch_deterministic_failures_end_the_job_at_once(
+    slurm: Path, tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Missing data, a GLOO_SOCKET_IFNAME the nodes lack, no torchrun: the job ends with exit
+    status 2 and one line, before any job step (the default MAX_RESTARTS=3 retries nothing)."""
+    cases = {
+        "data": (["--data.path=no/such/dataset"], {}, "config error: data.path"),
+        "interface": ([], {"GLOO_SOCKET_IFNAME": "nosuchif0"}, "network error: GLOO_SOCKET"),
+        "torchrun": ([], {"TORCHRUN": str(tmp_path / "no-torchrun")}, "torchrun not found"),
+    }
+    for name, (extra, env, expected) in cases.items():
+        train = tiny_args(tiny_dataset, tmp_path, "--train.steps=4", *extra)
+        start = time.monotonic()
+        log = sbatch(slurm, tmp_path / f"{name}.out", ["configs/debug.toml", *train],
+                     expect=2, **env)  # fmt: skip
+        one_line_failure(log, 2, expected)
+        assert "srun" not in log, log[-4000:]
+        print(f"sbatch {name}: job exit 2 after {time.monotonic() - start:.1f} s")
+
+
+@pytest.mark.slow
+def test_sbatch_stop_signals_save_the_step_in_flight_and_usr1_requeues(
+    slurm: Path, tiny_dataset: str, tmp_path: Path
+) -> None:
+    """SIGUSR1 to the batch shell (what --signal=B:USR1@120 sends) reaches every rank: they
+    finish their step, save it (checkpoint.interval=1000: nothing else would) and exit; the job
+    requeues itself, and the new run resumes at exactly that step: no finished step is redone.
+    Then scancel (SIGTERM to every process of the job, as at the time limit or on preemption):
+    the ranks save the step in flight again."""
+    out = tmp_path / "job.out"
+    train = tiny_args(tiny_dataset, tmp_path, *LONG_RUN)
+    submit = [str(slurm / "sbatch"), "--parsable", *CPU_CLUSTER, f"--output={out}",
+              "launch/hsdp.sbatch", "configs/debug.toml", *train]  # fmt: skip
+    job = subprocess.run(
+        submit, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=30, check=True
+    ).stdout.strip()
+
+    def slurm_cmd(*cmd: str) -> str:
+        return subprocess.run(
+            [str(slurm / cmd[0]), *cmd[1:]], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+
+    def log() -> str:
+        return out.read_text() if out.exists() else ""
+
+    def wait_until(check, what: str, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                pytest.fail(f"{what} not seen in {timeout} s:\n{log()[-4000:]}")
+            time.sleep(0.3)
+
+    def state() -> str:
+        return slurm_cmd("squeue", "-h", "-j", job, "-o", "%T")
+
+    try:
+        wait_until(lambda: re.search(r"step 10/\d+  loss", log()), "step 10")
+        start = time.monotonic()
+        slurm_cmd("scancel", "--batch", "--signal=USR1", job)
+        wait_until(lambda: state() == "PENDING", "the requeued job pending")
+        requeued_after = time.monotonic() - start
+        # Slurm holds a requeued job back for two minutes; release it now.
+        slurm_cmd("scontrol", "update", f"JobId={job}", "StartTime=now")
+        wait_until(lambda: RESUMING.search(log()), "the requeued job resuming")
+        first_stop = STOPPED.search(log())
+        assert first_stop, log()[-4000:]
+        resumed_at = int(RESUMING.search(log()).group(2))
+        wait_until(lambda: last_logged_step(log()) > resumed_at + 5, "steps after the resume")
+        slurm_cmd("scancel", job)
+        wait_until(lambda: state() == "", "the cancelled job's end")
+    finally:
+        slurm_cmd("scancel", job)
+    text = log()
+    assert "SIGUSR1: the ranks finish their step" in text, text[-4000:]
+    assert f"requeueing job {job}" in text, text[-4000:]
+    ckpt = tmp_path / "debug" / "checkpoints"
+    saved = stopped_and_saved(text, "SIGUSR1", ckpt)
+    assert resumed_at == saved, text[-4000:]
+    cancelled = stopped_and_saved(text[first_stop.end() :], "SIGTERM", ckpt)
+    assert cancelled > saved
+    print(f"USR1: saved step {saved}, requeued {requeued_after:.1f} s after the signal, "
+          f"resumed at step {resumed_at}; scancel: saved step {cancelled}")  # fmt: skip
 
 
 # ---- launch/preflight.py ---------------------------------------------------------------------
@@ -243,7 +563,7 @@ def test_nccl_log_warns_on_sockets_not_infiniband() -> None:
 
 
 def test_socket_ifname_must_name_an_interface_of_this_node() -> None:
-    from launch.preflight import bus_bandwidth, missing_interfaces
+    from launch.preflight import bus_bandwidth, describe_interfaces, missing_interfaces
 
     present = ["lo", "eth0", "ib0"]
     assert missing_interfaces({"NCCL_SOCKET_IFNAME": "ib", "GLOO_SOCKET_IFNAME": "eth0"}, present)\
@@ -252,6 +572,10 @@ def test_socket_ifname_must_name_an_interface_of_this_node() -> None:
     [bad] = missing_interfaces({"NCCL_SOCKET_IFNAME": "=ib", "GLOO_SOCKET_IFNAME": "eth0"}, present)
     assert "NCCL_SOCKET_IFNAME==ib: no interface named 'ib'" in bad and "lo, eth0, ib0" in bad
     assert len(missing_interfaces({"GLOO_SOCKET_IFNAME": "bond0"}, present)) == 1
+    # The log names the interface in use and its address.
+    used = describe_interfaces({"GLOO_SOCKET_IFNAME": "lo"})
+    assert used == "GLOO_SOCKET_IFNAME=lo (lo 127.0.0.1)"
+    assert "gloo binds to" in describe_interfaces({})
     algbw, busbw = bus_bandwidth(nbytes=4 * 10**9, seconds=2.0, ranks=8)
     assert algbw == pytest.approx(2.0) and busbw == pytest.approx(3.5)  # x 2*7/8
 
@@ -279,57 +603,3 @@ def test_preflight_on_four_ranks_split_as_two_nodes(tmp_path: Path) -> None:
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
     assert result.returncode != 0
     assert "NCCL_SOCKET_IFNAME==nosuchif0: no interface named 'nosuchif0'" in result.stderr
-
-
-@pytest.mark.slow
-def test_sbatch_preemption_signal_requeues_and_resumes(
-    slurm: Path, tiny_dataset: str, tmp_path: Path
-) -> None:
-    """SIGUSR1 to the batch shell (what --signal=B:USR1@120 sends) requeues the job; the new run
-    resumes from the latest checkpoint and finishes."""
-    out = tmp_path / "job.out"
-    args = tiny_args(
-        tiny_dataset, tmp_path, "--checkpoint.interval=10", "--train.steps=40",
-        "--metrics.log_interval=10",
-    )  # fmt: skip
-    env = os.environ | {
-        "NPROC_PER_NODE": "2", "TORCHRUN": str(Path(sys.executable).with_name("torchrun")),
-        "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-    }  # fmt: skip
-    submit = [
-        str(slurm / "sbatch"), "--parsable", "--nodes=2", "--cpus-per-task=1",
-        "--gpus-per-node=0", f"--output={out}", "launch/hsdp.sbatch", *args,
-    ]  # fmt: skip
-    job = subprocess.run(
-        submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30, check=True
-    ).stdout.strip()
-
-    def slurm_cmd(*cmd: str) -> str:
-        return subprocess.run(
-            [str(slurm / cmd[0]), *cmd[1:]], capture_output=True, text=True, timeout=30
-        ).stdout.strip()
-
-    def wait_until(check, what: str, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > deadline:
-                log = out.read_text() if out.exists() else ""
-                pytest.fail(f"{what} not seen in {timeout} s:\n{log[-4000:]}")
-            time.sleep(0.3)
-
-    try:
-        log = lambda: out.read_text() if out.exists() else ""  # noqa: E731
-        wait_until(lambda: "checkpoint step 20:" in log(), "checkpoint step 20")
-        slurm_cmd("scancel", "--batch", "--signal=USR1", job)
-        state = lambda: slurm_cmd("squeue", "-h", "-j", job, "-o", "%T")  # noqa: E731
-        wait_until(lambda: state() == "PENDING", "the requeued job pending")
-        # Slurm holds a requeued job back for two minutes; release it now.
-        slurm_cmd("scontrol", "update", f"JobId={job}", "StartTime=now")
-        wait_until(lambda: state() == "", "the requeued job's end", timeout=120)
-    finally:
-        slurm_cmd("scancel", job)
-    text = log()
-    assert f"SIGUSR1: requeueing job {job}" in text, text[-4000:]
-    resumed = re.search(r"resumed from \S+ \(all state, step (\d+)\)", text)
-    assert resumed and int(resumed.group(1)) >= 20, text[-4000:]
-    assert "step 40  loss" in text[resumed.end() :]
