@@ -253,6 +253,23 @@ def test_deterministic_failure_is_one_line_and_exit_2(
     print(f"{launcher} {failure}: exit 2 after {time.monotonic() - start:.1f} s")
 
 
+def test_check_validates_for_the_world_the_launcher_will_start(
+    tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """launch.check: the launch options first, then train.py's arguments in any order (the
+    config file among them); the world is the one given, not this process's."""
+    from launch.check import main
+
+    train = ["configs/debug.toml", *tiny_args(tiny_dataset, tmp_path, "--parallel.mesh=auto")]
+    assert main(["--world-size=4", "--nnodes=2", *train]) == 0
+    assert main(["--world-size=6", "--nnodes=2", "--local-world-size=3", *train[1:], train[0],
+                 "--train.global_batch_size=12"]) == 0  # fmt: skip
+    caplog.clear()
+    assert main(["--world-size=3", "--nnodes=1", *train]) == 2  # 8 sequences over 3 ranks
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line.startswith("config error: train.global_batch_size (8)"), line
+
+
 def test_missing_torchrun_is_one_line(tmp_path: Path) -> None:
     env = ENV | {"TORCHRUN": str(tmp_path / "no-torchrun"), "NNODES": "2",
                  "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
