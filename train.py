@@ -562,6 +562,9 @@ def _train(
         if stopping:
             break
     checkpointer.wait()  # an async save still in flight must finish before the group goes
+    # No rank exits before rank 0 has marked the last save complete: under srun
+    # --kill-on-bad-exit the first node whose launcher exits ends the others' processes.
+    dist.barrier()
     metrics.close()
     if is_rank0:
         summary = RunSummary(
@@ -716,7 +719,13 @@ def validate(argv: list[str], env: LaunchEnv) -> int:
         check_config(job, env)
         if not job.dry_run:  # a run folder in use: say so now, not after torchrun started
             lock = RunLock(Path(job.run.output_dir) / job.run.name)
-            if refused := lock.acquire():
+            # A few tries: the checks of several nodes may probe a shared folder at once, each
+            # holding the lock for an instant; a trainer holds it for the whole run.
+            for _ in range(4):
+                if (refused := lock.acquire()) is None:
+                    break
+                time.sleep(0.5)
+            if refused:
                 raise ConfigError(refused)
             lock.release()
     except HelpRequested:
