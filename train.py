@@ -31,7 +31,6 @@ from checkpoint import (
     build_states,
     check_resume,
     checkpoint_folder,
-    latest_complete,
     list_step_dirs,
     step_dir,
 )
@@ -287,7 +286,11 @@ RESUME_IGNORED = ("run.", "dry_run", "checkpoint.resume", "checkpoint.load_model
 def resume_changes(job: JobConfig, path: Path) -> list[str]:
     """Compare this run's config with the checkpoint's: ConfigError for a change a resume
     cannot make, else the list of changes ("optim.lr: 0.0003 -> 0.001") it will apply."""
-    saved, source = read_run_config(path, {"config"})
+    try:
+        saved, _ = read_run_config(path, {"config"})
+    except Exception as err:  # damaged: Checkpointer.load verifies it and falls back
+        logger.warning("cannot read the config of %s (%s): changes not compared", path, err)
+        return []
     old, new = flatten(saved), flatten(config_to_dict(job))
     changed = sorted(
         k for k in old.keys() | new.keys()
@@ -450,7 +453,7 @@ def _train(
     progress = TrainState()
     states = build_states(model, optimizer, scheduler, loader, progress, config_toml)
     checkpointer = Checkpointer(job.checkpoint, ckpt_folder, is_rank0)
-    checkpointer.load(states, plan.resume)
+    resumed = checkpointer.load(states, plan.resume)  # an older one if plan.resume is damaged
     # The checkpoint brought its own lr, betas, ...: what this run's config says wins (the
     # changes were checked and listed by check_config).
     apply_optimizer_config(optimizer, scheduler, job.optim, progress.step, t.steps)
@@ -569,7 +572,7 @@ def _train(
     if is_rank0:
         summary = RunSummary(
             progress.step, t.steps, losses, val_loss, progress.tokens_seen,
-            time.perf_counter() - started, saved or latest_complete(ckpt_folder),
+            time.perf_counter() - started, saved or (resumed and resumed.path),
         )  # fmt: skip
         reason = (stop.signal_name or "a signal to another rank") if stopping else None
         for line in summary.lines(reason, job.checkpoint.interval):
