@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,8 @@ from checkpoint import (
     list_step_dirs,
     step_dir,
 )
-from checkpoint.export import read_run_config
 from checkpoint.hf import check_hf_config, load_hf_weights
+from checkpoint.state import CONFIG, read_run_config
 from configs import ConfigError, HelpRequested, config_to_dict, config_to_toml, parse_config
 from data.loader import (
     DataConfig,
@@ -44,15 +44,7 @@ from data.loader import (
     check_eval_split,
     open_dataset,
 )
-from model.llama import (
-    LlamaArgs,
-    ModelConfig,
-    Transformer,
-    build_args,
-    count_params,
-    flops_per_token,
-    fsdp_units,
-)
+from model import ModelConfig, ModelFamily, count_params, get_family
 from parallel.ac import ActivationCheckpointConfig, apply_ac
 from parallel.compile import CompileConfig, apply_compile
 from parallel.dims import LaunchEnv, ParallelConfig, resolve_dims
@@ -74,7 +66,7 @@ from parallel.metrics import (
     peak_tflops,
     profile_step,
 )
-from parallel.plan import format_plan, plan_communication, plan_memory
+from parallel.plan import format_plan, model_shape, plan_communication, plan_memory
 from parallel.runtime import (
     RunLock,
     StopRequest,
@@ -182,7 +174,10 @@ class JobConfig:
 class Plan:
     """Everything derived from the config and the launch, checked before training starts."""
 
-    args: LlamaArgs
+    family: ModelFamily
+    """The model family of model.name (model/__init__.py)."""
+    args: Any
+    """Its resolved shape."""
     dp_replicate: int
     dp_shard: int
     grad_accum_steps: int
@@ -196,7 +191,8 @@ class Plan:
 def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     """Cross-section checks. Every rank runs them on the same inputs, so every rank raises the
     same ConfigError and exits before a collective could wait on a missing peer."""
-    args = build_args(job.model)
+    family = get_family(job.model.name)
+    args = family.build_args(job.model)
     dp_replicate, dp_shard = resolve_dims(job.parallel, env)
     dp = dp_replicate * dp_shard
     t = job.train
@@ -216,11 +212,14 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()
     check_float8(job.fp8, "cuda" if on_gpu else "cpu")
     if job.checkpoint.init_from_hf:
-        check_hf_config(args, job.checkpoint.init_from_hf)
+        if family.hf is None:
+            raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
+        check_hf_config(family.hf, args, job.checkpoint.init_from_hf)
+    with torch.device("meta"):  # no memory: for the shapes and layer names
+        meta_model = family.build_model(args)
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
     # or unwritable path) surface here too, before anything could hang on them.
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
     resume = check_resume(
         job.checkpoint,
         Path(job.run.output_dir) / job.run.name,
@@ -229,14 +228,11 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         is_rank0=env.rank == 0,
         create_folder=not job.dry_run,
     )
-    if job.fp8.enabled:
-        with torch.device("meta"):
-            unmatched = unmatched_skips(Transformer(args), job.fp8.skip)
-        if unmatched:
-            raise ConfigError(
-                f"fp8.skip: {', '.join(unmatched)} matches no Linear layer of this model "
-                "(entries are module names or their dotted suffixes, e.g. 'output', 'attention.wo')"
-            )
+    if job.fp8.enabled and (unmatched := unmatched_skips(meta_model, job.fp8.skip)):
+        raise ConfigError(
+            f"fp8.skip: {', '.join(unmatched)} matches no Linear layer of this model "
+            "(entries are module names or their dotted suffixes, e.g. 'output', 'attention.wo')"
+        )
     changes: list[str] = []
     if resume is not None and not resume.model_only:
         changes = resume_changes(job, resume.path)
@@ -248,10 +244,10 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
             "this run would prune (keep_last): choose another run.name or checkpoint.folder"
         )
     accum = t.global_batch_size // (t.micro_batch_size * dp)
-    return Plan(args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes))
+    return Plan(family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes))
 
 
-def check_dataset(job: JobConfig, args: LlamaArgs, dataset: DatasetIndex) -> None:
+def check_dataset(job: JobConfig, args: Any, dataset: DatasetIndex) -> None:
     if dataset.vocab_size > args.vocab_size:
         raise ConfigError(
             f"model.vocab_size ({args.vocab_size}) is smaller than the dataset's tokenizer "
@@ -287,7 +283,7 @@ def resume_changes(job: JobConfig, path: Path) -> list[str]:
     """Compare this run's config with the checkpoint's: ConfigError for a change a resume
     cannot make, else the list of changes ("optim.lr: 0.0003 -> 0.001") it will apply."""
     try:
-        saved, _ = read_run_config(path, {"config"})
+        saved, _ = read_run_config(path, {CONFIG})
     except Exception as err:  # damaged: Checkpointer.load verifies it and falls back
         logger.warning("cannot read the config of %s (%s): changes not compared", path, err)
         return []
@@ -298,8 +294,9 @@ def resume_changes(job: JobConfig, path: Path) -> list[str]:
     )  # fmt: skip
     # The model is compared as resolved (a flavor name and its explicit fields are the same
     # model); only the attention kernel, the same math, may change.
-    old_args = replace(build_args(ModelConfig(**saved.get("model", {}))), attention="sdpa")
-    if old_args != replace(build_args(job.model), attention="sdpa"):
+    old_cfg = ModelConfig(**saved.get("model", {}))
+    old_args = replace(get_family(old_cfg.name).build_args(old_cfg), attention="sdpa")
+    if old_args != replace(get_family(job.model.name).build_args(job.model), attention="sdpa"):
         fixed = [k for k in changed if k.startswith("model.")]
     else:
         fixed = []
@@ -425,17 +422,17 @@ def _train(
     # Model: build on meta (no memory), shard, then allocate only this rank's shards and
     # initialize them. Each block is its own FSDP unit; see parallel/fsdp.py.
     with torch.device("meta"):
-        model = Transformer(plan.args)
+        model = plan.family.build_model(plan.args)
     if job.fp8.enabled:  # before FSDP, so it shards the float8-aware weights
         converted = apply_float8(model, job.fp8)
         if is_rank0:
             logger.info("fp8 (%s): %d Linear layers converted", job.fp8.recipe, len(converted))
     apply_ac(model, job.ac)  # before compile, so the compiled block includes its recompute
     apply_compile(model, job.compile)  # before FSDP, so its collectives stay outside compiled code
-    apply_fsdp(model, fsdp_units(model), dp_mesh(mesh), job.parallel)
+    apply_fsdp(model, plan.family.fsdp_units(model), dp_mesh(mesh), job.parallel)
     model.to_empty(device=device)
     if job.checkpoint.init_from_hf and plan.resume is None:
-        load_hf_weights(model, job.checkpoint.init_from_hf, rope_len=job.data.seq_len)
+        load_hf_weights(model, plan.family.hf, job.checkpoint.init_from_hf, job.data.seq_len)
     else:  # random init, also when a checkpoint is about to overwrite it (it sets the RoPE table)
         model.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
     n_params = count_params(model)
@@ -464,9 +461,7 @@ def _train(
     # After a resume, TensorBoard drops what an earlier attempt logged past the checkpoint.
     metrics = MetricsLogger(job.metrics, run_dir, is_rank0, t.steps, purge_step=progress.step + 1)
     tokens_per_step = t.global_batch_size * job.data.seq_len
-    flops = flops_per_token(
-        plan.args, count_params(model, exclude_embedding=True), job.data.seq_len
-    )
+    flops = plan.family.flops_per_token(model, job.data.seq_len)
     # The peak MFU is measured against (none is listed for fp32: set metrics.peak_tflops).
     precision = "fp8" if job.fp8.enabled else {"bfloat16": "bf16"}.get(job.parallel.param_dtype)
     meter = ThroughputMeter(
@@ -660,11 +655,9 @@ def set_aside_earlier_attempt(run_dir: Path) -> None:
 
 
 def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
-    with torch.device("meta"):
-        model = Transformer(plan.args)
-    n_params = count_params(model)
+    shape = model_shape(plan.family, plan.args)
     mem = plan_memory(
-        plan.args,
+        shape,
         plan.dp_shard,
         job.train.micro_batch_size,
         job.data.seq_len,
@@ -674,7 +667,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         job.parallel.reshard_after_forward,
     )
     comm = plan_communication(
-        plan.args,
+        shape,
         plan.dp_replicate,
         plan.dp_shard,
         job.parallel.param_dtype,
@@ -688,7 +681,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard} "
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
-    print(f"# parameters: {n_params:,}")
+    print(f"# parameters: {shape.numel():,}")
     if plan.dataset is None:
         print(f"# data: {job.data.path} not found (a dry run does not need it; training does)")
     if plan.resume is not None:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import ConfigError, HelpRequested, parse_config  # noqa: E402
 from data.loader import build_dataloader, open_dataset  # noqa: E402
-from model.llama import Transformer, build_args, count_params, flops_per_token  # noqa: E402
+from model import count_params, get_family  # noqa: E402
 from parallel.metrics import ThroughputMeter, Timer, format_scalars  # noqa: E402
 from train import JobConfig, OptimizerConfig, lr_lambda  # noqa: E402  (config and schedule only)
 
@@ -93,8 +93,8 @@ def train(job: JobConfig, bf16_mode: Bf16Mode) -> None:
     t = job.train
     torch.manual_seed(t.seed)
     torch.use_deterministic_algorithms(t.deterministic)
-    args = build_args(job.model)
-    model = Transformer(args)
+    family = get_family(job.model.name)
+    model = family.build_model(family.build_args(job.model))
     model.init_weights(seed=t.seed, rope_len=job.data.seq_len)
     logger.info("model %s: %s parameters", job.model.flavor, f"{count_params(model):,}")
 
@@ -122,7 +122,7 @@ def train(job: JobConfig, bf16_mode: Bf16Mode) -> None:
     )
     batches = iter(loader)
     tokens_per_step = t.global_batch_size * job.data.seq_len
-    flops = flops_per_token(args, count_params(model, exclude_embedding=True), job.data.seq_len)
+    flops = family.flops_per_token(model, job.data.seq_len)
     meter = ThroughputMeter(job.metrics.warmup_steps, 1, flops, None)
     timer = Timer(torch.device("cpu"))
 

@@ -249,14 +249,16 @@ def run_case(nodes: int, mode: str, opts: argparse.Namespace, cgroups: CpuGroups
 def predicted_link_bytes(nodes: int, mode: str, nproc: int, grad_accum: int) -> float:
     """Planner bytes per rank and mesh dim -> bytes one node's link carries per step."""
     from configs import parse_config
-    from model.llama import build_args
-    from parallel.plan import plan_communication
+    from model import get_family
+    from parallel.plan import model_shape, plan_communication
     from train import JobConfig
 
     job = parse_config(JobConfig, MODEL)
     rep, shard = (1, nodes * nproc) if mode == "fsdp" else (nodes, nproc)
+    family = get_family(job.model.name)
+    shape = model_shape(family, family.build_args(job.model))
     comm = plan_communication(
-        build_args(job.model), rep, shard, job.parallel.param_dtype, job.parallel.reduce_dtype,
+        shape, rep, shard, job.parallel.param_dtype, job.parallel.reduce_dtype,
         grad_accum_steps=grad_accum,
     )  # fmt: skip
     if nodes == 1:

@@ -1,4 +1,4 @@
-"""Export a training checkpoint to Hugging Face Llama safetensors, on one CPU process.
+"""Export a training checkpoint to Hugging Face safetensors, on one CPU process.
 
     python -m checkpoint.export outputs/debug/checkpoints/step-200 outputs/debug/hf
     python -m checkpoint.export CHECKPOINT_DIR OUT_DIR --dtype float32 [--force]
@@ -6,8 +6,9 @@
 Reads only the "model" entry of the DCP checkpoint (not the optimizer state, which is twice as
 large) into a plain model, whatever mesh saved it: DCP stores full shapes and reshards on load.
 The model shape comes from the resolved config stored in the checkpoint itself. Then
-`checkpoint.hf.save_hf_weights` writes the HF layout; load it back with `load_hf_weights` or
-`transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)`. config.json's bos/eos token ids come
+`checkpoint.hf.save_hf_weights` writes the HF layout through the model family's mapping; load
+it back with `load_hf_weights` or `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`.
+config.json's bos/eos token ids come
 from the index.json of the run's data.path (relative to the current directory), when it is
 there. OUT_DIR must be new or empty; --force overwrites the export files in it.
 """
@@ -17,51 +18,25 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import tomllib
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from checkpoint.hf import INDEX_FILE, MAX_SHARD_BYTES, save_hf_weights
+from checkpoint.state import MODEL, load_no_dist, read_run_config
 from configs import ConfigError
 from data.loader import read_index
-from model.llama import ModelConfig, Transformer, build_args, rope_frequencies
+from model import ModelConfig, get_family
 
 logger = logging.getLogger("checkpoint.export")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _dcp_load(state_dict: dict, checkpoint_dir: Path) -> None:
-    # no_dist: one process, no process group. DCP warns that it assumes exactly that.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-        dcp.load(state_dict, checkpoint_id=checkpoint_dir, no_dist=True)
-
-
-def read_run_config(checkpoint_dir: Path, entries: set[str]) -> tuple[dict, str]:
-    """The run's resolved config from the checkpoint's "config" entry, or from the run's
-    config.toml (`<run>/checkpoints/step-N/../../config.toml`) if it has none."""
-    if "config" in entries:
-        state = {"config": ""}
-        _dcp_load(state, checkpoint_dir)
-        text, source = state["config"], f"{checkpoint_dir} (config entry)"
-    else:
-        path = checkpoint_dir.parent.parent / "config.toml"
-        if not path.is_file():
-            raise ConfigError(f"{checkpoint_dir} has no config entry and {path} does not exist")
-        text, source = path.read_text(), str(path)
-        logger.warning("checkpoint has no config entry; model shape read from %s", path)
-    try:
-        return tomllib.loads(text), source
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"cannot read the config from {source}: {e}") from e
-
-
-def _load(checkpoint_dir: Path) -> tuple[Transformer, dict]:
-    """The weights of a complete DCP training checkpoint (no RoPE table), and the run's config."""
+def _load(checkpoint_dir: Path, rope_len: int | None = None) -> tuple[torch.nn.Module, dict]:
+    """The model of a complete DCP training checkpoint, ready for sequences up to `rope_len`
+    (default: its max_seq_len), and the run's config."""
     if not checkpoint_dir.is_dir():
         raise ConfigError(f"checkpoint not found: {checkpoint_dir}")
     if not (checkpoint_dir / "COMPLETE").is_file():
@@ -75,17 +50,21 @@ def _load(checkpoint_dir: Path) -> tuple[Transformer, dict]:
         raise ConfigError(f"{checkpoint_dir} is not a DCP checkpoint: {e}") from e
     config, source = read_run_config(checkpoint_dir, set(metadata))
     try:
-        args = build_args(ModelConfig(**config.get("model", {})))
+        model_config = ModelConfig(**config.get("model", {}))
     except TypeError as e:
         raise ConfigError(f"cannot read the [model] config from {source}: {e}") from e
-    # Meta then to_empty: memory for the weights only, no throwaway initialization.
+    family = get_family(model_config.name)
+    if family.hf is None:
+        raise ConfigError(f"model family {model_config.name} has no Hugging Face mapping")
+    args = family.build_args(model_config)
+    # Meta then to_empty: memory for the weights only, no throwaway initialization. The
+    # buffers (RoPE table, tied weights) are not in any checkpoint: the model rebuilds them.
     with torch.device("meta"):
-        model = Transformer(args)
+        model = family.build_model(args)
     model.to_empty(device="cpu")
-    if args.tie_embeddings:  # to_empty gives each module its own new tensor: tie them again
-        model.output.weight = model.tok_embeddings.weight
-    # Keys of the "model" entry; named_parameters() skips a tied output.weight (same tensor).
-    wanted = {f"model.{n}": p.detach() for n, p in model.named_parameters()}
+    model.init_buffers(rope_len or args.max_seq_len)
+    # Keys of the model entry; named_parameters() skips a tied output.weight (same tensor).
+    wanted = {f"{MODEL}.{n}": p.detach() for n, p in model.named_parameters()}
     problems = []
     for key, param in wanted.items():
         if key not in metadata:
@@ -94,18 +73,16 @@ def _load(checkpoint_dir: Path) -> tuple[Transformer, dict]:
             problems.append(f"{key} is {list(metadata[key].size)}, config says {list(param.shape)}")
     if problems:
         raise ConfigError(f"{checkpoint_dir} does not match its config: " + "; ".join(problems))
-    _dcp_load(wanted, checkpoint_dir)  # flat "model.<fqn>" keys name the same entries
+    load_no_dist(wanted, checkpoint_dir)  # flat "model.<fqn>" keys name the same entries
     return model, config
 
 
-def load_checkpoint_model(checkpoint_dir: str | Path, rope_len: int | None = None) -> Transformer:
+def load_checkpoint_model(
+    checkpoint_dir: str | Path, rope_len: int | None = None
+) -> torch.nn.Module:
     """A plain CPU model holding the weights of a complete DCP training checkpoint, ready to run
     on up to `rope_len` positions (default: the model's max_seq_len, as in the HF export)."""
-    model, _ = _load(Path(checkpoint_dir))
-    # The RoPE table is not a weight, so no checkpoint holds it: build it here, as init_weights
-    # does (which would also overwrite the weights just loaded).
-    args = model.args
-    model.rope = rope_frequencies(args, rope_len or args.max_seq_len, torch.device("cpu"))
+    model, _ = _load(Path(checkpoint_dir), rope_len)
     return model
 
 
@@ -156,7 +133,7 @@ def export_checkpoint(
     max_shard_bytes: int = MAX_SHARD_BYTES,
     force: bool = False,
 ) -> list[Path]:
-    """Write `checkpoint_dir`'s model to `out_dir` in the HF Llama layout; returns the files.
+    """Write `checkpoint_dir`'s model to `out_dir` in its family's HF layout; returns the files.
 
     `dtype` defaults to the run's `checkpoint.export_dtype` (bfloat16 if it has none).
     A non-empty `out_dir` is an error unless `force`: then the weight files of an earlier export
@@ -164,14 +141,15 @@ def export_checkpoint(
     """
     out = Path(out_dir)
     _check_out_dir(out, force)
-    model, config = _load(Path(checkpoint_dir))  # writing weights needs no RoPE table
+    model, config = _load(Path(checkpoint_dir))
     if dtype is None:
         dtype = DTYPES[config.get("checkpoint", {}).get("export_dtype", "bfloat16")]
     bos_id, eos_id = special_token_ids(config)
     if out.is_dir():  # with force: shards of an earlier, larger export must not linger
         for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
             stale.unlink(missing_ok=True)
-    files = save_hf_weights(model, out, dtype, max_shard_bytes, bos_id, eos_id)
+    mapping = get_family(ModelConfig(**config.get("model", {})).name).hf
+    files = save_hf_weights(model, mapping, out, dtype, max_shard_bytes, bos_id, eos_id)
     logger.info("wrote %d file(s) and config.json to %s", len(files), out)
     return files
 

@@ -39,7 +39,6 @@ import os
 import re
 import shutil
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -62,6 +61,7 @@ from checkpoint.integrity import (
     split_by_size,
     verify_files,
 )
+from checkpoint.state import CONFIG, MODEL, TRAIN, read_progress
 from configs import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class CheckpointConfig:
     folder: str = "checkpoints"
     """Where step-N directories go: relative to the run directory, or an absolute path."""
     init_from_hf: str | None = None
-    """Initialize a new run from a local Hugging Face Llama safetensors directory (instead of
+    """Initialize a new run from a local Hugging Face safetensors directory (instead of
     random weights). Like load_model_only, only when the run has no checkpoint of its own."""
 
     def __post_init__(self) -> None:
@@ -254,20 +254,16 @@ def _resume_point(
     _check_model(path, metadata, model_shapes)
     if model_only:
         return ResumePoint(path, 0, model_only=True)
-    progress = {"train": {"step": 0, "samples_seen": 0}}
     try:
-        with warnings.catch_warnings():  # DCP warns that no_dist means one process: intended
-            warnings.filterwarnings("ignore", message=".*single process")
-            dcp.load(progress, checkpoint_id=path, no_dist=True)  # two integers, on every rank
+        step, samples = read_progress(path)  # two integers, on every rank
     except Exception as err:  # noqa: BLE001 - the bytes are there (checked above) but unreadable
         files = {
             info.relative_path
             for index, info in metadata.storage_data.items()
-            if index.fqn.startswith("train.")
+            if index.fqn.startswith(f"{TRAIN}.")
         }
         where = path / min(files) if files else path
         raise CorruptCheckpoint(where, f"cannot be read ({type(err).__name__})") from None
-    step, samples = progress["train"]["step"], progress["train"]["samples_seen"]
     if samples % positions_per_micro_step:
         raise ConfigError(
             f"checkpoint {path}: it has consumed {samples} samples of the global data stream, "
@@ -308,9 +304,9 @@ def _check_resume_path(path: Path) -> Path:
 def _check_model(path: Path, metadata: Metadata, expected: dict[str, tuple[int, ...]]) -> None:
     """Compare the checkpoint's model entries (from its metadata) with this run's model."""
     saved = {
-        key.removeprefix("model."): tuple(meta.size)
+        key.removeprefix(f"{MODEL}."): tuple(meta.size)
         for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+        if key.startswith(f"{MODEL}.") and isinstance(meta, TensorStorageMetadata)
     }
     missing = [f"missing {k} {list(v)}" for k, v in expected.items() if k not in saved]
     unexpected = [f"unexpected {k} {list(v)}" for k, v in saved.items() if k not in expected]
@@ -387,7 +383,7 @@ class Checkpointer:
                 logger.warning("checkpoint: skipping damaged %s: %s", resume.path, why)
             resume = resume.fallback(why)  # every rank has the same findings: same choice
         start = time.perf_counter()
-        wanted = ["model"] if resume.model_only else [k for k in states if k != "config"]
+        wanted = [MODEL] if resume.model_only else [k for k in states if k != CONFIG]
         dcp.load({k: states[k] for k in wanted}, checkpoint_id=resume.path)
         if self.is_rank0:
             what = "model weights only, starting at step 0" if resume.model_only else "all state"

@@ -1,7 +1,9 @@
 """What a checkpoint holds: each piece of training state as a `Stateful` that DCP saves and loads.
 
 `build_states` gathers them into the one dict handed to `dcp.save` / `dcp.load`; its top-level
-keys are the checkpoint format that `checkpoint/export.py` relies on:
+keys (the constants MODEL, OPTIMIZER, ... below) are the checkpoint format that resume and
+`checkpoint/export.py` rely on, read without a process group by `read_progress` and
+`read_run_config`:
 
 | key | what | on resume |
 |---|---|---|
@@ -19,11 +21,16 @@ loads on any mesh.
 
 from __future__ import annotations
 
+import logging
 import pickle
+import tomllib
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -33,6 +40,18 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+from configs import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# The checkpoint's top-level keys: the format that resume, export and tools read.
+MODEL = "model"
+OPTIMIZER = "optimizer"
+LR_SCHEDULER = "lr_scheduler"
+DATALOADER = "dataloader"
+TRAIN = "train"
+CONFIG = "config"
 
 
 def plain_tensors(state: Any) -> Any:
@@ -167,10 +186,47 @@ def build_states(
 ) -> dict[str, Any]:
     """The dict handed to DCP: every entry a Stateful, plus the config text."""
     return {
-        "model": ModelState(model),
-        "optimizer": OptimizerState(model, optimizer),
-        "lr_scheduler": scheduler,  # LRScheduler has state_dict/load_state_dict: a Stateful
-        "dataloader": DataLoaderState(loader),
-        "train": progress,
-        "config": config_toml,
+        MODEL: ModelState(model),
+        OPTIMIZER: OptimizerState(model, optimizer),
+        LR_SCHEDULER: scheduler,  # LRScheduler has state_dict/load_state_dict: a Stateful
+        DATALOADER: DataLoaderState(loader),
+        TRAIN: progress,
+        CONFIG: config_toml,
     }
+
+
+# ---- reading a checkpoint in one process, with no process group -----------------------------
+
+
+def load_no_dist(state_dict: dict, path: Path) -> None:
+    """dcp.load by one process (every rank may call it before the process group exists)."""
+    with warnings.catch_warnings():  # DCP warns that no_dist means one process: intended
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.load(state_dict, checkpoint_id=path, no_dist=True)
+
+
+def read_progress(path: Path) -> tuple[int, int]:
+    """(optimizer steps done, samples of the global data stream consumed) of a checkpoint."""
+    progress = {TRAIN: {"step": 0, "samples_seen": 0}}
+    load_no_dist(progress, path)
+    return progress[TRAIN]["step"], progress[TRAIN]["samples_seen"]
+
+
+def read_run_config(checkpoint_dir: Path, entries: set[str]) -> tuple[dict, str]:
+    """The run's resolved config from the checkpoint's config entry (`entries`: its top-level
+    keys), or from the run's config.toml (`<run>/checkpoints/step-N/../../config.toml`) if it
+    has none; and where it was read."""
+    if CONFIG in entries:
+        state = {CONFIG: ""}
+        load_no_dist(state, checkpoint_dir)
+        text, source = state[CONFIG], f"{checkpoint_dir} (config entry)"
+    else:
+        path = checkpoint_dir.parent.parent / "config.toml"
+        if not path.is_file():
+            raise ConfigError(f"{checkpoint_dir} has no config entry and {path} does not exist")
+        text, source = path.read_text(), str(path)
+        logger.warning("checkpoint has no config entry; the config is read from %s", path)
+    try:
+        return tomllib.loads(text), source
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"cannot read the config from {source}: {e}") from e

@@ -1,8 +1,9 @@
 """Config loading: dataclass defaults < TOML file < `--section.key=value` on the command line.
 
 Each module owns its config as a `@dataclass` whose fields carry a docstring on the next line;
-`train.py` nests them into one tree (`JobConfig`) and calls `parse_config(JobConfig, argv)`. This module
-is generic: it imports nothing from the rest of the project, so any module may import it.
+`train.py` nests them into one tree (`JobConfig`) and calls `parse_config(JobConfig, argv)`.
+This module is generic: it imports nothing from the rest of the project, so any module may
+import it.
 """
 
 from __future__ import annotations

@@ -17,8 +17,7 @@ from configs import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# Tried in order when --eos-token is not given; these cover Llama 3, Llama 2/Mistral, GPT-2/NeoX
-# and Gemma style tokenizers.
+# Tried in order when --eos-token is not given; these cover the common Hugging Face tokenizers.
 EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>")
 

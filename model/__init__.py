@@ -1,0 +1,219 @@
+"""Model families, and the one contract between a family and the trainer.
+
+A *family* is a module of this package (`model/llama.py`, `model/qwen3.py`) that provides what
+`ModelFamily` below lists. The trainer finds it by `--model.name` through `FAMILIES`, a plain
+dict at the end of this file: a reader can jump from the name to the module. `train.py`,
+`parallel/`, `checkpoint/` and `data/` use only this contract and name no family, so adding a
+model means new files in `model/` and one line in `FAMILIES` (docs/forking.md walks through it).
+
+What the trainer may assume, and nothing more:
+
+- **Shape.** `build_args(cfg)` turns the shared `ModelConfig` (a flavor plus single-field
+  overrides) into the family's frozen args dataclass, which has at least the fields of
+  `ModelArgs`; a field the family does not have is a `ConfigError`, not silently ignored.
+  `FLAVORS` maps flavor names to args.
+- **Construction.** `build_model(args)` constructs the model under the caller's default device:
+  the trainer builds on `meta`, applies parallelism, calls `to_empty`, then `init_weights`.
+  Model code is single-device: it never imports `torch.distributed`.
+- **The model** (`TrainableModel`): `forward(tokens (batch, seq) int64) -> logits (batch, seq,
+  vocab)`; `init_weights(seed, rope_len, assign)` fills every parameter from the seed alone,
+  identically on any mesh and device, storing each value through `assign` (the sharded trainer
+  keeps only its shard) and (re)builds non-persistent buffers such as the RoPE table for
+  sequences up to `rope_len`; `init_buffers(rope_len)` rebuilds only those buffers (after
+  weights were loaded from elsewhere). Parameter names are the checkpoint keys: they must not
+  depend on the mesh, and wrappers (`torch.compile`, activation checkpointing) are stripped by
+  `canonical_name`.
+- **FSDP units.** `fsdp_units(model)`: the modules sharded as their own unit, in forward order
+  (the transformer blocks); what is left (embeddings, final norm, output) is the root unit.
+- **FP8 candidates.** `fp8_linears(model)`: names of the `nn.Linear` layers FP8 may convert
+  (the FP8 policy then filters by shape and `fp8.skip`).
+- **FLOPs.** `flops_per_token(model, seq_len)`: training FLOPs per token, for MFU.
+- **Hugging Face** (optional, `hf`, see `HFMapping`): parameter names, any row permutation, and
+  config.json both ways; `checkpoint/export.py` and `checkpoint.init_from_hf` go through it.
+- **Tensor parallel** (optional, `tp_plan`): the family's `parallelize_module` plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from configs import ConfigError
+
+AttentionImpl = Literal["sdpa", "chunked"]
+
+
+@dataclass
+class ModelConfig:
+    """`[model]`: which family and flavor, and single fields that override the flavor's shape.
+    A family accepts the fields its args have; setting another is a config error."""
+
+    name: str = "llama3"
+    """Model family: a key of model.FAMILIES ('llama3', 'qwen3')."""
+    flavor: str = "debug"
+    """Named shape of the family (e.g. llama3: debug, 1B, 3B, 8B, 70B, 405B)."""
+    dim: int | None = None
+    """Hidden size (default: the flavor's)."""
+    n_layers: int | None = None
+    """Number of transformer blocks (default: the flavor's)."""
+    n_heads: int | None = None
+    """Attention heads (default: the flavor's)."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention (default: the flavor's)."""
+    head_dim: int | None = None
+    """Size of one attention head, where the family sets it on its own (qwen3)."""
+    vocab_size: int | None = None
+    """Embedding rows; must cover the dataset's tokenizer (default: the flavor's)."""
+    ffn_dim: int | None = None
+    """FFN hidden size, where the family sets it directly (qwen3's intermediate_size)."""
+    multiple_of: int | None = None
+    """llama3: the FFN hidden size is rounded up to a multiple of this."""
+    ffn_dim_multiplier: float | None = None
+    """llama3: scales the FFN hidden size."""
+    rope_theta: float | None = None
+    """RoPE base frequency (default: the flavor's)."""
+    rope_scaling: bool | None = None
+    """llama3: Llama 3.1 RoPE frequency scaling for long context."""
+    tie_embeddings: bool | None = None
+    """Share the input embedding and output projection (default: the flavor's)."""
+    norm_eps: float | None = None
+    """RMSNorm epsilon (default: the flavor's)."""
+    attention: AttentionImpl | None = None
+    """'sdpa' (default): F.scaled_dot_product_attention, the right choice on GPUs and in fp32.
+    'chunked': model/attention.py, the same math in blocks of batched matmuls, for bf16 on CPU,
+    where it is 1.2-2.3x faster than SDPA's flash kernel at head_dim <= 64 (BENCHMARKS.md)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in FAMILIES:
+            raise ConfigError(
+                f"model.name: {self.name!r} is not one of: {', '.join(FAMILIES)} "
+                "(the families of model/__init__.py)"
+            )
+
+
+def resolve_args(cfg: ModelConfig, flavors: dict[str, Any]) -> Any:
+    """A flavor's args with `cfg`'s set fields replaced; ConfigError for an unknown flavor or a
+    field this family's args do not have."""
+    if cfg.flavor not in flavors:
+        raise ConfigError(
+            f"model.flavor: {cfg.flavor!r} is not a {cfg.name} flavor: {', '.join(flavors)}"
+        )
+    base = flavors[cfg.flavor]
+    own = {f.name for f in dataclasses.fields(base)}
+    overrides = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if f.name not in ("name", "flavor") and getattr(cfg, f.name) is not None
+    }
+    if foreign := sorted(set(overrides) - own):
+        raise ConfigError(
+            f"model: {', '.join('model.' + k for k in foreign)} does not apply to {cfg.name} "
+            f"(its fields: {', '.join(sorted(own & {f.name for f in dataclasses.fields(cfg)}))})"
+        )
+    return dataclasses.replace(base, **overrides)
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of parameters (global: works on meta, sharded or plain models; a tied weight
+    counts once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+# Stores a parameter's full value (or only this rank's shard of it): see parallel/fsdp.py.
+Assign = Callable[[torch.Tensor, torch.Tensor], None]
+
+# Segments that torch.compile and activation checkpointing insert into parameter names.
+_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without wrapper segments: what seeds its init and keys checkpoints."""
+    for wrapper in _WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
+
+
+class ModelArgs(Protocol):
+    """Fields every family's args have (the planner, FLOPs and checks read these)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    max_seq_len: int
+    tie_embeddings: bool
+
+    @property
+    def head_dim(self) -> int: ...
+
+
+class TrainableModel(Protocol):
+    args: Any
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+    def init_weights(
+        self, seed: int = 0, rope_len: int | None = None, assign: Assign | None = None
+    ) -> None: ...
+
+    def init_buffers(self, rope_len: int) -> None:
+        """Restore what is not a parameter's own value, after `to_empty` or loading weights
+        from elsewhere: non-persistent buffers (the RoPE table) and tied weights."""
+
+
+class HFMapping(Protocol):
+    """How a family's checkpoint maps to a Hugging Face `transformers` model and back."""
+
+    def hf_name(self, name: str) -> str:
+        """HF tensor name of one of our (canonical) parameter names."""
+
+    def rotated_head_dim(self, name: str, args: Any) -> int | None:
+        """For a weight whose rows HF orders differently inside each head (Llama's q/k RoPE
+        layout), the head size over which rows are interleaved; None for the others."""
+
+    def config_json(
+        self, args: Any, dtype: torch.dtype, bos_token_id: int | None, eos_token_id: int | None
+    ) -> dict:
+        """config.json of the HF model with the shape of `args`."""
+
+    def args_from_config_json(self, cfg: dict, path: str) -> Any:
+        """Our args for an HF config.json; ConfigError naming what our model cannot run."""
+
+    def mismatches(self, ours: Any, theirs: Any) -> list[str]:
+        """'field ours vs theirs' for every setting where two args differ."""
+
+
+class ModelFamily(Protocol):
+    """What a family module provides (a module satisfies a Protocol structurally)."""
+
+    FLAVORS: dict[str, Any]
+
+    def build_args(self, cfg: Any) -> Any: ...
+
+    def build_model(self, args: Any) -> nn.Module: ...
+
+    def fsdp_units(self, model: nn.Module) -> list[nn.Module]: ...
+
+    def fp8_linears(self, model: nn.Module) -> list[str]: ...
+
+    def flops_per_token(self, model: nn.Module, seq_len: int) -> int: ...
+
+    hf: HFMapping | None
+
+
+# The families, by --model.name. Adding one: its module(s) in model/ and one line here.
+from model import llama  # noqa: E402  (after the contract, which the families import)
+
+FAMILIES: dict[str, ModelFamily] = {
+    "llama3": llama,
+}
+
+
+def get_family(name: str) -> ModelFamily:
+    return FAMILIES[name]

@@ -12,18 +12,15 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from configs import ConfigError
+from model import AttentionImpl, ModelConfig, canonical_name, resolve_args
 from model.attention import chunked_causal_attention
-
-Flavor = Literal["debug", "1B", "3B", "8B", "70B", "405B"]
-AttentionImpl = Literal["sdpa", "chunked"]
 
 
 @dataclass(frozen=True)
@@ -125,42 +122,9 @@ FLAVORS: dict[str, LlamaArgs] = {
 }
 
 
-@dataclass
-class ModelConfig:
-    flavor: Flavor = "debug"
-    """Named Llama 3 shape; the fields below override single dimensions of it."""
-    dim: int | None = None
-    """Hidden size (default: the flavor's)."""
-    n_layers: int | None = None
-    """Number of transformer blocks (default: the flavor's)."""
-    n_heads: int | None = None
-    """Attention heads (default: the flavor's)."""
-    n_kv_heads: int | None = None
-    """Key/value heads for grouped-query attention (default: the flavor's)."""
-    vocab_size: int | None = None
-    """Embedding rows; must cover the dataset's tokenizer (default: the flavor's)."""
-    multiple_of: int | None = None
-    """FFN hidden size is rounded up to a multiple of this (default: the flavor's)."""
-    ffn_dim_multiplier: float | None = None
-    """Scales the FFN hidden size (default: the flavor's)."""
-    rope_theta: float | None = None
-    """RoPE base frequency (default: the flavor's, 500000)."""
-    rope_scaling: bool | None = None
-    """Llama 3.1 RoPE frequency scaling for long context (default: the flavor's)."""
-    tie_embeddings: bool | None = None
-    """Share the input embedding and output projection (default: the flavor's)."""
-    norm_eps: float | None = None
-    """RMSNorm epsilon (default: the flavor's)."""
-    attention: AttentionImpl | None = None
-    """'sdpa' (default): F.scaled_dot_product_attention, the right choice on GPUs and in fp32.
-    'chunked': model/attention.py, the same math in blocks of batched matmuls, for bf16 on CPU,
-    where it is 1.2-2.3x faster than SDPA's flash kernel at head_dim <= 64 (BENCHMARKS.md)."""
-
-
 def build_args(cfg: ModelConfig) -> LlamaArgs:
     """Resolve a flavor plus overrides to a concrete shape, rejecting impossible ones."""
-    overrides = {k: v for k, v in vars(cfg).items() if k != "flavor" and v is not None}
-    args = replace(FLAVORS[cfg.flavor], **overrides)
+    args = resolve_args(cfg, FLAVORS)
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of"):
         if getattr(args, name) < 1:
             raise ConfigError(f"model: {name} must be >= 1, got {getattr(args, name)}")
@@ -289,7 +253,7 @@ class Transformer(nn.Module):
         if tokens.shape[1] > self.rope.shape[0]:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds the RoPE table "
-                f"({self.rope.shape[0]}); pass rope_len to init_weights"
+                f"({self.rope.shape[0]}); rebuild it with init_buffers(rope_len)"
             )
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
@@ -313,13 +277,10 @@ class Transformer(nn.Module):
         """
         assign = assign or (lambda param, value: param.copy_(value))
         args = self.args
-        if args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
-            # nn.Module.to_empty() gives each module its own copy of a shared parameter (FSDP2's
-            # keeps the tie): share it again, or the output projection would train separately.
-            self.output.weight = self.tok_embeddings.weight
+        self.init_buffers(rope_len or args.max_seq_len)  # first: it restores the tie
         for name, param in self.named_parameters():
             value = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-            key = _canonical_name(name)
+            key = canonical_name(name)
             gen = torch.Generator(device=value.device)
             gen.manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
             std = _init_std(key, args)
@@ -330,15 +291,15 @@ class Transformer(nn.Module):
             else:
                 nn.init.trunc_normal_(value, 0.0, std, -3 * std, 3 * std, generator=gen)
             assign(param, value.to(param.dtype))
-        self.rope = rope_frequencies(args, rope_len or args.max_seq_len, self.rope.device)
 
-
-def _canonical_name(name: str) -> str:
-    # Wrappers added around blocks (torch.compile, activation checkpointing) insert these
-    # segments into parameter names; the seed must not depend on them.
-    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
+    def init_buffers(self, rope_len: int) -> None:
+        """The RoPE table for sequences up to `rope_len`, and the embedding tie: what is not a
+        parameter's own value, after `to_empty` or weights loaded from elsewhere."""
+        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # nn.Module.to_empty() gives each module its own copy of a shared parameter (FSDP2's
+            # keeps the tie): share it again, or the output projection would train separately.
+            self.output.weight = self.tok_embeddings.weight
+        self.rope = rope_frequencies(self.args, rope_len, self.rope.device)
 
 
 def _init_std(name: str, args: LlamaArgs) -> float | None:
@@ -367,18 +328,33 @@ def fsdp_units(model: Transformer) -> list[nn.Module]:
     return list(model.layers.values())
 
 
-def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
-    """Number of parameters (global, works on meta, sharded or plain models)."""
-    total = sum(p.numel() for p in model.parameters())
-    if exclude_embedding and isinstance(model, Transformer) and not model.args.tie_embeddings:
-        total -= model.tok_embeddings.weight.numel()
-    return total
+def build_model(args: LlamaArgs) -> Transformer:
+    """The model, on the caller's default device (the trainer builds it on meta)."""
+    return Transformer(args)
 
 
-def flops_per_token(args: LlamaArgs, num_params_no_embedding: int, seq_len: int) -> int:
-    """Training FLOPs per token: 6·N for the matmuls (2 forward + 4 backward per weight)
-    plus the attention scores and values, 12·layers·dim·seq (2 matmuls × 2 flops × 3 for
-    forward+backward). Like PaLM and torchtitan we count the full, not causally halved,
-    attention matrix, so MFU numbers compare with theirs.
+def fp8_linears(model: Transformer) -> list[str]:
+    """Linear layers FP8 may convert: all of them (the FP8 policy filters by shape and
+    fp8.skip, which keeps the output projection in high precision by default)."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def flops_per_token(model: Transformer, seq_len: int) -> int:
+    """Training FLOPs per token: 6·N for the matmuls (2 forward + 4 backward per weight, N the
+    parameters outside the input embedding, whose lookup is no matmul) plus the attention
+    scores and values, 12·layers·dim·seq (2 matmuls × 2 flops × 3 for forward+backward). Like
+    PaLM and torchtitan we count the full, not causally halved, attention matrix, so MFU
+    numbers compare with theirs.
     """
-    return 6 * num_params_no_embedding + 12 * args.n_layers * args.dim * seq_len
+    args = model.args
+    n = sum(p.numel() for p in model.parameters())
+    if not args.tie_embeddings:  # tied, the matrix is also the output projection's
+        n -= model.tok_embeddings.weight.numel()
+    return 6 * n + 12 * args.n_layers * args.dim * seq_len
+
+
+# The Hugging Face mapping (model.HFMapping): model/llama_hf.py. Imported last: it imports
+# this module's args.
+from model import llama_hf  # noqa: E402
+
+hf = llama_hf

@@ -2,7 +2,7 @@
 
 Each transformer block is wrapped in place in `model.layers`, so parameter names only gain a
 `_checkpoint_wrapped_module.` segment: `torch.distributed.checkpoint.state_dict` and
-`model.llama._canonical_name` drop it, so checkpoints and initial weights are the same with AC
+`model.canonical_name` drop it, so checkpoints and initial weights are the same with AC
 on or off.
 
 Modes (`[ac] mode`):

@@ -28,7 +28,7 @@ def apply_compile(model: nn.Module, cfg: CompileConfig) -> None:
     """Replace each entry of `model.layers` (an nn.ModuleDict) by its compiled wrapper.
 
     Parameter names gain an `_orig_mod.` segment, which DCP's `get_model_state_dict` and
-    `model.llama._canonical_name` drop: checkpoints stay interchangeable with eager runs.
+    `model.canonical_name` drop: checkpoints stay interchangeable with eager runs.
     Call after `apply_ac` (the checkpointed block is compiled, recompute included) and before
     `apply_fsdp` (see the module docstring).
     """

@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from model.llama import FLAVORS, LlamaArgs, Transformer, fsdp_units
+from model import ModelConfig, ModelFamily, get_family
 
 BYTES = {"bfloat16": 2, "float32": 4}
 AcMode = Literal["none", "full", "selective", "op"]
@@ -60,11 +60,29 @@ class Unit:
         )
 
 
-def fsdp_unit_shapes(args: LlamaArgs, fp8_skip: tuple[str, ...] = ("output",)) -> list[Unit]:
-    """The blocks' units in order, then the root's, read from the model built on meta."""
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a model, read from the model itself built on meta."""
+
+    units: list[Unit]
+    """The blocks' FSDP units in order, then the root's."""
+    dim: int
+    kv_dim: int
+    ffn_hidden: int
+    n_layers: int
+    vocab_size: int
+
+    def numel(self) -> int:
+        return sum(u.numel() for u in self.units)
+
+
+def model_shape(
+    family: ModelFamily, args: object, fp8_skip: tuple[str, ...] = ("output",)
+) -> ModelShape:
+    """Build the model on meta (no memory) and read its FSDP units' parameter shapes."""
     with torch.device("meta"):
-        model = Transformer(args)
-    units = fsdp_units(model)
+        model = family.build_model(args)
+    units = family.fsdp_units(model)
     in_unit = {id(p) for u in units for p in u.parameters()}
 
     def unit(params: list[tuple[str, nn.Parameter]], owner: nn.Module) -> Unit:
@@ -81,7 +99,16 @@ def fsdp_unit_shapes(args: LlamaArgs, fp8_skip: tuple[str, ...] = ("output",)) -
 
     blocks = [unit(list(u.named_parameters()), u) for u in units]
     root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_unit]
-    return [*blocks, unit(root, model)]
+    # The widest Linear output of a block is its FFN hidden size (SwiGLU's up projections).
+    ffn_hidden = max(m.out_features for m in units[0].modules() if isinstance(m, nn.Linear))
+    return ModelShape(
+        [*blocks, unit(root, model)],
+        dim=args.dim,
+        kv_dim=args.n_kv_heads * args.head_dim,
+        ffn_hidden=ffn_hidden,
+        n_layers=len(units),
+        vocab_size=args.vocab_size,
+    )
 
 
 def _resharded(policy: Reshard, index: int, n_blocks: int) -> bool:
@@ -94,7 +121,7 @@ def _resharded(policy: Reshard, index: int, n_blocks: int) -> bool:
 
 
 def plan_communication(
-    args: LlamaArgs,
+    shape: ModelShape,
     dp_replicate: int,
     dp_shard: int,
     param_dtype: str = "bfloat16",
@@ -104,7 +131,7 @@ def plan_communication(
     grad_accum_steps: int = 1,
 ) -> dict[str, dict[str, float]]:
     """Bytes each rank sends per optimizer step: {mesh dim: {collective: bytes}}."""
-    units = fsdp_unit_shapes(args)
+    units = shape.units
     n_blocks = len(units) - 1
     s, r = dp_shard, dp_replicate
     gather = reduce_scatter = all_reduce = 0.0
@@ -127,7 +154,7 @@ def plan_communication(
 
 
 def activation_bytes(
-    args: LlamaArgs,
+    shape: ModelShape,
     tokens: int,
     param_dtype: str,
     ac_mode: AcMode = "none",
@@ -143,10 +170,10 @@ def activation_bytes(
     the matmul and attention outputs (~5·dim + 2·kv_dim + 2·ffn_hidden) and the block input.
     SDPA never materializes the attention matrix.
     """
-    d, kv, h = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden_dim
+    d, kv, h = shape.dim, shape.kv_dim, shape.ffn_hidden
     full_block = tokens * (10 * d + 4 * kv + 4 * h) * BYTES[param_dtype]
     block_input = tokens * d * BYTES[param_dtype]
-    n = args.n_layers
+    n = shape.n_layers
     if ac_mode == "none":
         return n * full_block
     recomputed = full_block if recompute else 0
@@ -157,7 +184,7 @@ def activation_bytes(
 
 
 def plan_memory(
-    args: LlamaArgs,
+    shape: ModelShape,
     dp_shard: int,
     micro_batch: int,
     seq_len: int,
@@ -171,7 +198,7 @@ def plan_memory(
     Master weights, gradients and AdamW's two moments (plus a 4-byte step per tensor) are
     float32, sharded over dp_shard (HSDP replicas each hold their shard group's state).
     """
-    units = fsdp_unit_shapes(args)
+    units = shape.units
     shard = sum(u.shard_numel(dp_shard) for u in units)
     n_tensors = sum(len(u.shapes) for u in units)
     pbytes = BYTES[param_dtype]
@@ -185,9 +212,9 @@ def plan_memory(
         "grads": 4 * shard,
         "optimizer": 8 * shard + 4 * n_tensors,
         "gathered_params": (root + gathered_blocks * block) * pbytes,
-        "activations": activation_bytes(args, tokens, param_dtype, ac_mode, ac_every),
+        "activations": activation_bytes(shape, tokens, param_dtype, ac_mode, ac_every),
         # Logits in compute dtype plus their float32 copy and its gradient for the loss.
-        "logits": tokens * args.vocab_size * (pbytes + 8),
+        "logits": tokens * shape.vocab_size * (pbytes + 8),
     }
 
 
@@ -224,7 +251,8 @@ def format_plan(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="8B", choices=list(FLAVORS))
+    p.add_argument("--model", default="8B", help="the family's flavor (default 8B)")
+    p.add_argument("--family", default=ModelConfig().name, help="the trainer's --model.name")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=8192)
@@ -240,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter-bw", type=float, default=50, help="GB/s per GPU across nodes")
     p.add_argument("--gpu-mem", type=float, default=80, help="GB per GPU")
     a = p.parse_args(argv)
-    args = FLAVORS[a.model]
+    family = get_family(a.family)
+    shape = model_shape(family, family.build_args(ModelConfig(name=a.family, flavor=a.model)))
     world = a.nodes * a.gpus_per_node
     meshes = {
         f"FSDP 1x{world}": (1, world),
@@ -249,17 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     columns, seconds = {}, {}
     for name, (rep, shard) in meshes.items():
         mem = plan_memory(
-            args, shard, a.batch, a.seq_len, a.param_dtype, a.ac, a.ac_every, a.reshard
+            shape, shard, a.batch, a.seq_len, a.param_dtype, a.ac, a.ac_every, a.reshard
         )
         comm = plan_communication(
-            args, rep, shard, a.param_dtype, a.reduce_dtype, a.fp8, a.reshard, a.grad_accum
+            shape, rep, shard, a.param_dtype, a.reduce_dtype, a.fp8, a.reshard, a.grad_accum
         )
         columns[name] = (mem, comm)
         # A shard group within one node talks over NVLink; spanning nodes, the slow link rules.
         shard_bw = a.intra_bw if shard <= a.gpus_per_node else a.inter_bw
         seconds[name] = comm_seconds(comm, shard_bw * 1e9, a.inter_bw * 1e9)
-    n_params = sum(u.numel() for u in fsdp_unit_shapes(args))
-    print(f"Llama {a.model} ({n_params / 1e9:.2f}B parameters) on {a.nodes} x {a.gpus_per_node}")
+    n_params = shape.numel()
+    print(f"{a.family} {a.model} ({n_params / 1e9:.2f}B parameters) on {a.nodes} x "
+          f"{a.gpus_per_node}")  # fmt: skip
     print("\n".join(format_plan(columns)))
     for name, (mem, _) in columns.items():
         total = sum(mem.values())

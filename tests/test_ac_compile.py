@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch import nn
 
+from model import llama
 from model.llama import FLAVORS, Transformer
 from parallel.ac import ActivationCheckpointConfig, apply_ac
 from parallel.compile import CompileConfig, apply_compile
-from parallel.plan import activation_bytes
+from parallel.plan import activation_bytes, model_shape
 from tests.test_train import FP32, assert_close, run
 
 ARGS = replace(FLAVORS["debug"], dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128)
@@ -85,7 +86,9 @@ def test_ac_lowers_activation_memory_and_keeps_gradients() -> None:
     # allocator's count (measured: 2-15%).
     logits = 2 * 32 * ARGS.vocab_size * 4
     for name, cfg in MODES.items():
-        kept = activation_bytes(ARGS, 2 * 32, "float32", cfg.mode, cfg.every, recompute=False)
+        kept = activation_bytes(
+            model_shape(llama, ARGS), 2 * 32, "float32", cfg.mode, cfg.every, recompute=False
+        )
         estimate = kept + logits
         assert estimate == pytest.approx(alloc[name], rel=0.25), (name, estimate, alloc)
 

@@ -570,7 +570,7 @@ def test_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_checkpoint(
         [full] = lines_with(result.stderr, "] ERROR")  # one line, on rank 0
         assert f"checkpoint step 4: no space left on device writing {disk / 'step-4'}" in full
         # No rank's traceback (torchrun still prints its ChildFailedError summary of exit 1).
-        assert "train.py\", line" not in result.stderr and "unexpected pos" not in result.stderr
+        assert 'train.py", line' not in result.stderr and "unexpected pos" not in result.stderr
         assert sorted(p.name for p in disk.iterdir()) == ["step-2"]
         assert_intact(disk / "step-2")
 

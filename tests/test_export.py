@@ -25,7 +25,8 @@ from checkpoint import hf
 from checkpoint.export import export_checkpoint, load_checkpoint_model, main
 from checkpoint.hf import check_hf_config, load_hf_weights, save_hf_weights, to_hf_rows
 from configs import ConfigError, config_to_toml
-from model.llama import LlamaArgs, ModelConfig, Transformer, build_args
+from model import ModelConfig, llama_hf
+from model.llama import LlamaArgs, Transformer, build_args
 from tests.distributed import run_distributed
 
 # transformers must never reach for the network. huggingface_hub reads these when it is first
@@ -100,7 +101,7 @@ def test_round_trip_is_bitwise_in_float32(tmp_path: Path, tied: bool) -> None:
     model = random_model(args)
     # Small files for the tied case, to go through model.safetensors.index.json.
     limit = 10**6 if not tied else 200_000
-    files = save_hf_weights(model, tmp_path, torch.float32, max_shard_bytes=limit)
+    files = save_hf_weights(model, llama_hf, tmp_path, torch.float32, max_shard_bytes=limit)
     assert len(files) == (1 if not tied else 3)
     assert (tmp_path / "model.safetensors.index.json").exists() == tied
     assert all(sum(t.nbytes for t in load_file(f).values()) <= limit for f in files)
@@ -121,7 +122,7 @@ def test_round_trip_is_bitwise_in_float32(tmp_path: Path, tied: bool) -> None:
     assert names == layer | top
 
     loaded = empty_model(args)
-    load_hf_weights(loaded, tmp_path, rope_len=SEQ)
+    load_hf_weights(loaded, llama_hf, tmp_path, rope_len=SEQ)
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     tokens = torch.randint(0, args.vocab_size, (2, 16))
@@ -155,7 +156,7 @@ def test_export_cli_writes_hf_layout_in_bfloat16(tmp_path: Path) -> None:
         },
     }
     assert {k: config[k] for k in expected} == expected
-    check_hf_config(args, tmp_path / "hf")  # reads back as the same shape
+    check_hf_config(llama_hf, args, tmp_path / "hf")  # reads back as the same shape
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     assert {w.dtype for w in weights.values()} == {torch.bfloat16}
     wq = model.layers["1"].attention.wq.weight
@@ -195,9 +196,9 @@ def test_logits_equal_transformers(tmp_path: Path, rope_scaling: bool, tied: boo
             return
     # And back: what transformers itself writes (its own config keys) loads into our model.
     theirs.save_pretrained(tmp_path / "saved")
-    check_hf_config(args, tmp_path / "saved")
+    check_hf_config(llama_hf, args, tmp_path / "saved")
     loaded = empty_model(args)
-    load_hf_weights(loaded, tmp_path / "saved")
+    load_hf_weights(loaded, llama_hf, tmp_path / "saved")
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
@@ -245,20 +246,20 @@ def test_export_reads_run_config_toml_when_checkpoint_has_none(tmp_path: Path) -
 
 def test_import_errors_name_keys_and_shapes(tmp_path: Path) -> None:
     args = build_args(small_config(tie_embeddings=False))
-    save_hf_weights(random_model(args), tmp_path, torch.float32)
+    save_hf_weights(random_model(args), llama_hf, tmp_path, torch.float32)
     with pytest.raises(ConfigError, match="not found: .*nowhere"):
-        load_hf_weights(empty_model(args), tmp_path / "nowhere")
+        load_hf_weights(empty_model(args), llama_hf, tmp_path / "nowhere")
 
     bigger = build_args(small_config(tie_embeddings=False, vocab_size=130))
     with pytest.raises(ConfigError) as err:
-        load_hf_weights(empty_model(bigger), tmp_path)
+        load_hf_weights(empty_model(bigger), llama_hf, tmp_path)
     assert str(err.value) == (
         f"{tmp_path} does not match the model: "
         "model.embed_tokens.weight has shape [128, 64], model expects [130, 64]; "
         "lm_head.weight has shape [128, 64], model expects [130, 64]"
     )
     with pytest.raises(ConfigError, match=r"vocab_size 130 vs 128, tie_embeddings True vs False"):
-        check_hf_config(build_args(small_config(vocab_size=130)), tmp_path)
+        check_hf_config(llama_hf, build_args(small_config(vocab_size=130)), tmp_path)
 
     weights = load_file(tmp_path / "model.safetensors")
     del weights["model.layers.1.mlp.up_proj.weight"]
@@ -266,10 +267,10 @@ def test_import_errors_name_keys_and_shapes(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError, match=r"missing model\.layers\.1\.mlp\.up_proj\.weight \[256, 64\]"
     ):
-        load_hf_weights(empty_model(args), tmp_path)
+        load_hf_weights(empty_model(args), llama_hf, tmp_path)
     tied = build_args(small_config(tie_embeddings=True))  # would ignore the trained lm_head
     with pytest.raises(ConfigError, match=r"unexpected lm_head\.weight"):
-        load_hf_weights(empty_model(tied), tmp_path)
+        load_hf_weights(empty_model(tied), llama_hf, tmp_path)
 
 
 # ---- sharded loading on real gloo ranks ------------------------------------------------------
@@ -341,7 +342,7 @@ def _load_sharded(hf_dir: str, step_dir: str, dp_replicate: int, reference: dict
 
     reads: dict[str, list[int]] = defaultdict(list)
     hf.safe_open = partial(_recording_safe_open, reads=reads)  # this rank's process only
-    load_hf_weights(model, hf_dir, rope_len=SEQ)
+    load_hf_weights(model, llama_hf, hf_dir, rope_len=SEQ)
     local_rows = {}
     for name, param in model.named_parameters():
         # DTensor's own answer for this rank's shard of the original.
@@ -351,7 +352,7 @@ def _load_sharded(hf_dir: str, step_dir: str, dp_replicate: int, reference: dict
         assert torch.equal(param.to_local(), expected.to_local()), name
         chunks = torch.arange(param.shape[0]).chunk(mesh["dp_shard"].size())
         shard = mesh["dp_shard"].get_local_rank()
-        local_rows[hf.hf_name(name)] = chunks[shard].tolist() if shard < len(chunks) else []
+        local_rows[llama_hf.hf_name(name)] = chunks[shard].tolist() if shard < len(chunks) else []
 
     # Save it as training does, for the export test in the parent process.
     dcp.save(
@@ -371,7 +372,7 @@ def test_sharded_import_reads_only_local_rows(tmp_path: Path, dp_replicate: int)
     cfg = ModelConfig(**UNEVEN, tie_embeddings=dp_replicate == 2)
     args = build_args(cfg)
     model = random_model(args)
-    save_hf_weights(model, tmp_path / "hf", torch.float32, max_shard_bytes=50_000)
+    save_hf_weights(model, llama_hf, tmp_path / "hf", torch.float32, max_shard_bytes=50_000)
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
     step_dir = tmp_path / "run" / "checkpoints" / "step-1"
     results = run_distributed(

@@ -16,15 +16,13 @@ import torch
 from torch import nn
 
 from configs import ConfigError
+from model import ModelConfig, canonical_name, count_params
 from model.llama import (
     FLAVORS,
     LlamaArgs,
-    ModelConfig,
     Transformer,
-    _canonical_name,
     apply_rope,
     build_args,
-    count_params,
     flops_per_token,
     rope_frequencies,
 )
@@ -234,8 +232,8 @@ def test_flops_per_token_hand_computed() -> None:
     n = 2 * 12_352 + 32 + 2048
     with torch.device("meta"):
         model = Transformer(SMALL)
-    assert count_params(model, exclude_embedding=True) == n
-    assert flops_per_token(SMALL, n, seq_len=16) == 6 * 26_784 + 12 * 2 * 32 * 16
+    assert count_params(model) - model.tok_embeddings.weight.numel() == n
+    assert flops_per_token(model, seq_len=16) == 6 * n + 12 * 2 * 32 * 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,12 +330,12 @@ def test_init_ignores_wrapper_segments_in_names(attrs: list[str]) -> None:
     wrapped.init_weights(seed=5, rope_len=16)
     names = [name for name, _ in wrapped.named_parameters()]
     assert any(attrs[0] in name for name in names)
-    assert sorted(_canonical_name(name) for name in names) == sorted(
+    assert sorted(canonical_name(name) for name in names) == sorted(
         name for name, _ in plain.named_parameters()
     )
     expected = dict(plain.named_parameters())
     for name, p in wrapped.named_parameters():
-        assert torch.equal(p, expected[_canonical_name(name)]), name
+        assert torch.equal(p, expected[canonical_name(name)]), name
     tokens = torch.arange(10).view(1, 10)
     with torch.no_grad():
         torch.testing.assert_close(wrapped(tokens), plain(tokens))

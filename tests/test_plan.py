@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from model.llama import FLAVORS
-from parallel.plan import main, plan_communication, plan_memory
+from model import llama
+from parallel.plan import main, model_shape, plan_communication, plan_memory
 from tests.distributed import run_distributed
 
 # Ring algorithms: bytes one rank sends for an input of `nbytes` on a group of `size` ranks.
@@ -125,7 +125,7 @@ def test_planner_matches_instrumented_collectives(
     """4 gloo ranks, one optimizer step of 2 micro-batches (bf16 gathers, fp32 reduction):
     bytes per mesh dim within 1% of the planner; sharded state within 10% of its estimate."""
     from configs import parse_config
-    from model.llama import build_args
+    from model import get_family
     from tests.test_train import TINY
     from train import JobConfig
 
@@ -143,10 +143,11 @@ def test_planner_matches_instrumented_collectives(
         pytest.importorskip("torchao", reason="fp8 extra not installed")
     results = run_distributed(instrumented_step, 4, argv, nodes=nodes)
     job = parse_config(JobConfig, argv)
-    args, rep, shard = build_args(job.model), nodes, 4 // nodes
+    family = get_family(job.model.name)
+    shape, rep, shard = model_shape(family, family.build_args(job.model)), nodes, 4 // nodes
     p = job.parallel
     planned = plan_communication(
-        args, rep, shard, p.param_dtype, p.reduce_dtype,
+        shape, rep, shard, p.param_dtype, p.reduce_dtype,
         fp8=job.fp8.enabled, reshard_after_forward=p.reshard_after_forward, grad_accum_steps=2,
     )  # fmt: skip
     for result in results:
@@ -155,7 +156,7 @@ def test_planner_matches_instrumented_collectives(
             for collective, expected in collectives.items():
                 measured = sent.get((dim, collective), 0)
                 assert measured == pytest.approx(expected, rel=0.01), (dim, collective, sent)
-    mem = plan_memory(args, shard, 1, job.data.seq_len, p.param_dtype)
+    mem = plan_memory(shape, shard, 1, job.data.seq_len, p.param_dtype)
     for result in results:
         for key, measured in result["state"].items():
             assert measured == pytest.approx(mem[key], rel=0.10), (key, result["state"], mem)
@@ -164,9 +165,10 @@ def test_planner_matches_instrumented_collectives(
 def test_planner_counts_passes_and_ring_factors() -> None:
     """Closed forms on 8B: FSDP gathers (N-1)/N of the bf16 weights per pass (the root once,
     every block twice but the last); HSDP all-reduces 2(R-1)/R of its fp32 gradient shard."""
-    args = FLAVORS["8B"]
-    fsdp = plan_communication(args, 1, 128)
-    hsdp = plan_communication(args, 16, 8)
+    args = llama.FLAVORS["8B"]
+    shape = model_shape(llama, args)
+    fsdp = plan_communication(shape, 1, 128)
+    hsdp = plan_communication(shape, 16, 8)
     root = 2 * args.vocab_size * args.dim + args.dim  # embeddings, output, final norm
     kv = args.n_kv_heads * args.head_dim
     block = 2 * args.dim * (args.dim + kv) + 3 * args.dim * args.ffn_hidden_dim + 2 * args.dim
@@ -178,14 +180,14 @@ def test_planner_counts_passes_and_ring_factors() -> None:
     assert hsdp["dp_replicate"]["all_reduce"] == pytest.approx(2 * 15 / 16 * n / 8 * 4, rel=1e-6)
     assert fsdp["dp_replicate"]["all_reduce"] == 0
     assert math.isclose(n, 8.03e9, rel_tol=0.01)
-    fp8 = plan_communication(args, 16, 8, fp8=True)
+    fp8 = plan_communication(shape, 16, 8, fp8=True)
     assert fp8["dp_shard"]["all_gather"] < 0.6 * hsdp["dp_shard"]["all_gather"]
     assert fp8["dp_shard"]["reduce_scatter"] == hsdp["dp_shard"]["reduce_scatter"]
 
 
 def test_activation_estimate_shrinks_with_ac() -> None:
-    args = FLAVORS["8B"]
-    act = {m: plan_memory(args, 8, 1, 8192, ac_mode=m, ac_every=2)["activations"] for m in
+    shape = model_shape(llama, llama.FLAVORS["8B"])
+    act = {m: plan_memory(shape, 8, 1, 8192, ac_mode=m, ac_every=2)["activations"] for m in
            ("none", "op", "selective", "full")}  # fmt: skip
     assert act["none"] > act["op"] > act["full"] and act["none"] > act["selective"] > act["full"]
 
