@@ -10,17 +10,18 @@ shard, `to_empty(device=...)`, then `init_weights(seed)`, so no rank ever holds 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from configs import ConfigError
-from model import AttentionImpl, ModelConfig, canonical_name, resolve_args
+from model import AttentionImpl, ModelConfig, canonical_name, random_init, resolve_args
 from model.attention import chunked_causal_attention
+from model.random_init import Draw
 
 
 @dataclass(frozen=True)
@@ -265,32 +266,33 @@ class Transformer(nn.Module):
         self,
         seed: int = 0,
         rope_len: int | None = None,
-        assign: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        assign: Callable[[torch.Tensor, Draw], None] | None = None,
     ) -> None:
-        """Initialize every parameter from `seed` alone, identically on any mesh.
+        """Initialize every parameter from `seed` alone, identically on any mesh and device.
 
-        Each parameter draws its full (unsharded) value from its own generator, seeded by the
-        seed and the parameter's name, so the result depends neither on the order of
-        initialization nor on how the model is split. `assign(param, full_value)` stores the
-        value: by default a plain copy; a sharded trainer passes a function that keeps only the
-        local shard (see `parallel.fsdp.assign_local_shard`).
+        Each element is a function of the seed, the parameter's name and the element's index
+        (model/random_init.py), so the result depends neither on the order of initialization,
+        nor on how the model is split, nor on the device. `assign(param, draw)` stores the
+        values: `draw(region)` returns those of a region of the full parameter (one slice per
+        dimension); by default the whole parameter is drawn; a sharded trainer draws only its
+        shard (see `parallel.fsdp.assign_local_shard`).
         """
-        assign = assign or (lambda param, value: param.copy_(value))
+        assign = assign or _assign_whole
         args = self.args
         self.init_buffers(rope_len or args.max_seq_len)  # first: it restores the tie
         for name, param in self.named_parameters():
-            value = torch.empty(param.shape, dtype=torch.float32, device=param.device)
             key = canonical_name(name)
-            gen = torch.Generator(device=value.device)
-            gen.manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
             std = _init_std(key, args)
             if std is None:  # RMSNorm gains start at 1
-                value.fill_(1.0)
-            elif key == "tok_embeddings.weight" and not args.tie_embeddings:
-                value.normal_(0.0, std, generator=gen)
+                draw: Draw = partial(random_init.ones, tuple(param.shape), device=param.device)
             else:
-                nn.init.trunc_normal_(value, 0.0, std, -3 * std, 3 * std, generator=gen)
-            assign(param, value.to(param.dtype))
+                # Untied embeddings: a plain normal; everything else truncated at 3 std.
+                truncated = key != "tok_embeddings.weight" or args.tie_embeddings
+                draw = partial(
+                    random_init.normal, seed, key, tuple(param.shape),
+                    std=std, truncated=truncated, device=param.device,
+                )  # fmt: skip
+            assign(param, draw)
 
     def init_buffers(self, rope_len: int) -> None:
         """The RoPE table for sequences up to `rope_len`, and the embedding tie: what is not a
@@ -300,6 +302,10 @@ class Transformer(nn.Module):
             # keeps the tie): share it again, or the output projection would train separately.
             self.output.weight = self.tok_embeddings.weight
         self.rope = rope_frequencies(self.args, rope_len, self.rope.device)
+
+
+def _assign_whole(param: torch.Tensor, draw: Draw) -> None:
+    param.copy_(draw(tuple(slice(0, n) for n in param.shape)))
 
 
 def _init_std(name: str, args: LlamaArgs) -> float | None:

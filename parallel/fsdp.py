@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -12,9 +14,12 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from parallel.dims import ParallelConfig
+
+if TYPE_CHECKING:
+    from model.random_init import Draw
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -71,18 +76,50 @@ def _set_prefetch(units: list[nn.Module], forward: int, backward: int) -> None:
             unit.set_modules_to_backward_prefetch(fsdp_units[max(0, i - backward) : i][::-1])
 
 
-@torch.no_grad()
-def assign_local_shard(param: torch.Tensor, full_value: torch.Tensor) -> None:
-    """Store this rank's shard of `full_value` into a (possibly sharded) parameter.
+def local_region(param: torch.Tensor) -> tuple[slice, ...] | None:
+    """The part of the full parameter this rank holds, one slice per dimension (global
+    indices); None where it is not one block of the full tensor (a strided placement, or a
+    rank outside the parameter's mesh).
 
-    Passed to `Transformer.init_weights`: every rank computes the same full value and keeps its
-    own slice, with no communication (src_data_rank=None), so initial weights do not depend on
-    the mesh. DTensor's own random ops cannot promise that on CPU.
+    A plain tensor is all local. For a DTensor, each Shard(d) splits dimension d the way
+    torch.chunk does (chunks of ceil(n / k), the last ones shorter or empty), nested in
+    placement order, as FSDP2 does; Replicate() leaves it whole.
     """
-    if isinstance(param, DTensor):
-        local = distribute_tensor(
-            full_value, param.device_mesh, param.placements, src_data_rank=None
-        ).to_local()
-        param.to_local().copy_(local)
+    ranges = [(0, n) for n in param.shape]
+    if not isinstance(param, DTensor):
+        return tuple(slice(*r) for r in ranges)
+    coordinate = param.device_mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    for mesh_dim, placement in enumerate(param.placements):
+        if type(placement) is Shard:  # exactly Shard: subclasses (strided) split differently
+            start, end = ranges[placement.dim]
+            chunk = -(-(end - start) // param.device_mesh.size(mesh_dim))
+            lo = min(start + coordinate[mesh_dim] * chunk, end)
+            ranges[placement.dim] = (lo, min(lo + chunk, end))
+        elif not isinstance(placement, Replicate):
+            return None
+    if tuple(end - start for start, end in ranges) != tuple(param.to_local().shape):
+        return None  # a chunking rule other than torch.chunk's: take the safe path
+    return tuple(slice(*r) for r in ranges)
+
+
+@torch.no_grad()
+def assign_local_shard(param: torch.Tensor, draw: Draw) -> None:
+    """Store this rank's shard of a parameter, drawing only that shard's values.
+
+    Passed to `init_weights`: `draw(region)` computes the values of any region of the full
+    parameter from the seed alone (model/random_init.py), so each rank draws exactly its own
+    slice, O(shard) work and no communication, and the initial weights do not depend on the
+    mesh. For a placement that is not a plain block (FSDP over tensor parallel's strided
+    shards), every rank draws the whole parameter and keeps its part, as before.
+    """
+    region = local_region(param)
+    if not isinstance(param, DTensor):
+        param.copy_(draw(region))
+    elif region is not None:
+        param.to_local().copy_(draw(region))
     else:
-        param.copy_(full_value)
+        full = draw(tuple(slice(0, n) for n in param.shape))
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())

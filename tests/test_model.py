@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -291,17 +292,61 @@ def test_init_std_and_truncation(wide_model: Transformer) -> None:
             assert torch.equal(p, torch.ones_like(p)), name
 
 
-def test_init_assign_gets_each_full_parameter_once() -> None:
+def test_init_assign_gets_each_parameter_once_with_a_draw_of_any_region() -> None:
+    """`assign(param, draw)`: draw(region) is that region of the parameter's full value, so a
+    shard is drawn on its own (two halves along dim 0 give the whole)."""
     reference = dict(small_model().named_parameters())
     model = Transformer(SMALL)
-    calls: list[tuple[nn.Parameter, torch.Tensor]] = []
-    model.init_weights(seed=0, rope_len=16, assign=lambda p, v: calls.append((p, v.clone())))
+    calls: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
+
+    def assign(p: torch.Tensor, draw: Callable) -> None:
+        whole = draw(tuple(slice(0, n) for n in p.shape))
+        rest = tuple(slice(0, n) for n in p.shape[1:])
+        half = p.shape[0] // 2
+        halves = [draw((slice(0, half), *rest)), draw((slice(half, p.shape[0]), *rest))]
+        calls.append((p, whole, torch.cat(halves)))
+
+    model.init_weights(seed=0, rope_len=16, assign=assign)
     params = dict(model.named_parameters())
-    assert sorted(id(p) for p, _ in calls) == sorted(id(p) for p in params.values())
-    by_id = {id(p): v for p, v in calls}
+    assert sorted(id(p) for p, _, _ in calls) == sorted(id(p) for p in params.values())
+    by_id = {id(p): (whole, halves) for p, whole, halves in calls}
     for name, p in params.items():
-        assert by_id[id(p)].shape == p.shape, name
-        assert torch.equal(by_id[id(p)], reference[name]), name
+        whole, halves = by_id[id(p)]
+        assert whole.dtype == torch.float32 and whole.shape == p.shape, name
+        assert torch.equal(whole, reference[name]), name
+        assert torch.equal(halves, whole), name
+
+
+def test_init_is_the_same_built_on_meta_then_materialized() -> None:
+    """The trainer's path (meta -> to_empty -> init) gives the model built directly on CPU."""
+    with torch.device("meta"):
+        model = Transformer(SMALL)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0, rope_len=16)
+    reference = dict(small_model().named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, reference[name]), name
+
+
+def test_init_in_bfloat16_is_the_float32_init_rounded() -> None:
+    bf16 = Transformer(SMALL).to(torch.bfloat16)
+    bf16.init_weights(seed=0, rope_len=16)
+    reference = dict(small_model().named_parameters())
+    for name, p in bf16.named_parameters():
+        assert torch.equal(p, reference[name].to(torch.bfloat16)), name
+
+
+def test_init_embeddings_untied_plain_normal_tied_truncated() -> None:
+    """Untied: unit-variance normal (values beyond 3 std exist); tied: the output projection's
+    dim^-0.5, truncated at 3 std like the other matrices."""
+    args = LlamaArgs(dim=256, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=1024)
+    untied = small_model(args).tok_embeddings.weight.detach()
+    assert float(untied.std()) == pytest.approx(1.0, rel=0.02)
+    assert float(untied.abs().max()) > 3.5
+    tied = small_model(replace(args, tie_embeddings=True)).tok_embeddings.weight.detach()
+    std = 256**-0.5
+    assert float(tied.std()) == pytest.approx(std * _trunc_normal_std(3.0), rel=0.02)
+    assert float(tied.abs().max()) <= 3 * std * (1 + 1e-6)
 
 
 class _Wrapper(nn.Module):
