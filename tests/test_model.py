@@ -112,6 +112,30 @@ def test_gqa_equals_mha_with_repeated_kv_heads() -> None:
     assert (mha_output("tiled") - expected).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 1e-6), (torch.bfloat16, 1e-2)]
+)
+def test_rmsnorm_matches_the_formula_computed_in_float64(dtype: torch.dtype, tol: float) -> None:
+    """The fused F.rms_norm against x * rsqrt(mean(x^2) + eps) * weight evaluated in float64;
+    in bf16 within bf16's rounding (the fused op rounds once, the formula twice)."""
+    from model.llama import RMSNorm
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 64, dtype=torch.float64) * 3
+    norm = RMSNorm(64, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64) + 1)
+    w = norm.weight.detach().double()
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    got = norm(x.to(dtype))
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
+    if dtype == torch.float32:  # bit-identical to the formula it replaced
+        xf = x.float()
+        old = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)) * norm.weight
+        assert torch.equal(got, old)
+
+
 def test_forward_longer_than_rope_table_raises() -> None:
     model = small_model(rope_len=8)
     with torch.no_grad():
