@@ -140,3 +140,51 @@ def test_different_seeds_and_parameters_get_different_values() -> None:
     model.init_weights(seed=1, rope_len=16)
     assert not torch.equal(a, b)
     assert not torch.equal(a, model.layers["0"].attention.wq.weight)
+
+
+def test_reshard_plan_keeps_blocks_gathered_only_where_nothing_is_sharded() -> None:
+    from parallel.fsdp import reshard_after_forward
+
+    # Blocks in order, then the root.
+    assert reshard_after_forward(3, "default", dp_shard=4) == [True, True, False, False]
+    assert reshard_after_forward(3, "default", dp_shard=1) == [False] * 4
+    # Offloading exists to free the GPU copies: it keeps the sharded plan.
+    default = [True, True, False, False]
+    assert reshard_after_forward(3, "default", dp_shard=1, cpu_offload=True) == default
+    assert reshard_after_forward(3, "always", dp_shard=1) == [True] * 4  # asked for: kept
+    assert reshard_after_forward(3, "never", dp_shard=8) == [False] * 4
+
+
+def gathered_after_forward(dp_replicate: int) -> list[bool]:
+    """For each block, whether its parameters are still unsharded after forward."""
+    from torch.distributed.tensor import DTensor
+
+    from parallel.fsdp import apply_fsdp, assign_local_shard
+    from parallel.runtime import build_mesh, dp_mesh, init_distributed
+
+    launch = LaunchEnv.from_env()
+    device = torch.device("cpu")
+    init_distributed(device, launch, 60)
+    mesh = build_mesh(device, dp_replicate, launch.world_size // dp_replicate)
+    model = Transformer(ARGS)
+    apply_fsdp(model, fsdp_units(model), dp_mesh(mesh), ParallelConfig(param_dtype="float32"))
+    model.init_weights(seed=0, rope_len=16, assign=assign_local_shard)
+    model(torch.zeros(1, 8, dtype=torch.long))
+    gathered = [not isinstance(b.attention.wq.weight, DTensor) for b in fsdp_units(model)]
+    torch.distributed.destroy_process_group()
+    return gathered
+
+
+@pytest.mark.parametrize(
+    ("world", "dp_replicate", "expected"),
+    [(1, 1, [True, True]), (2, 1, [False, True]), (2, 2, [True, True])],
+    ids=["one-rank", "fsdp-2", "hsdp-2x1"],
+)
+def test_apply_fsdp_follows_the_reshard_plan(
+    world: int, dp_replicate: int, expected: list[bool]
+) -> None:
+    """dp_shard = 1 (one rank, or replicas of one) keeps every block gathered after forward;
+    sharded, all but the last block are freed."""
+    assert run_distributed(gathered_after_forward, world, dp_replicate, nodes=dp_replicate)[0] == (
+        expected
+    )
