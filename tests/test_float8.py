@@ -11,7 +11,15 @@ import torch
 
 from configs import ConfigError
 from model.llama import FLAVORS, Transformer, fsdp_units
-from parallel.float8 import Float8Config, apply_float8, check_float8
+from parallel.float8 import (
+    Float8Config,
+    Float8Decision,
+    apply_float8,
+    check_float8,
+    describe_float8,
+    float8_policy,
+    precompute_float8_scales,
+)
 from tests.distributed import run_distributed
 
 pytest.importorskip("torchao", reason="fp8 extra not installed: pip install '.[fp8]'")
@@ -24,7 +32,6 @@ def gathered_bytes(fp8: bool, dp_replicate: int) -> list[tuple[str, int]]:
     import torch.distributed as dist
 
     from parallel.dims import LaunchEnv, ParallelConfig
-    from parallel.float8 import precompute_float8_scales
     from parallel.fsdp import apply_fsdp, assign_local_shard
     from parallel.runtime import build_mesh, dp_mesh, init_distributed
 
@@ -34,9 +41,9 @@ def gathered_bytes(fp8: bool, dp_replicate: int) -> list[tuple[str, int]]:
     mesh = build_mesh(device, dp_replicate, env.world_size // dp_replicate)
     with torch.device("meta"):
         model = Transformer(ARGS)
-    cfg = Float8Config(enabled=fp8)
+    cfg = Float8Config(enabled=fp8, filter="none")  # the test model's layers are all small
     if fp8:
-        apply_float8(model, cfg)
+        apply_float8(model, cfg, weights_sharded=True)
     apply_fsdp(model, fsdp_units(model), dp_mesh(mesh), ParallelConfig())
     model.to_empty(device=device)
     model.init_weights(seed=0, rope_len=32, assign=assign_local_shard)
@@ -85,13 +92,98 @@ def test_fsdp_all_gathers_float8_weights(world: int, dp_replicate: int) -> None:
     assert block_fp8 < 0.51 * block_bf16
 
 
+def _converted(decisions: list[Float8Decision]) -> list[str]:
+    return [d.fqn for d in decisions if d.converted]
+
+
 def test_conversion_skips_output_and_unaligned_layers() -> None:
     args = replace(ARGS, dim=72, n_heads=4, n_kv_heads=4)  # 72 is not a multiple of 16
-    aligned = apply_float8(Transformer(ARGS), Float8Config(enabled=True))
+    every = Float8Config(enabled=True, filter="none")
+    aligned = _converted(apply_float8(Transformer(ARGS), every))
     assert "output" not in aligned and len(aligned) == 7 * ARGS.n_layers
-    assert apply_float8(Transformer(args), Float8Config(enabled=True)) == []
-    kept = apply_float8(Transformer(ARGS), Float8Config(enabled=True, skip=["output", "w2"]))
+    assert _converted(apply_float8(Transformer(args), every)) == []
+    kept = _converted(apply_float8(Transformer(ARGS), replace(every, skip=["output", "w2"])))
     assert not any(name.endswith("w2") for name in kept) and len(kept) == 6 * ARGS.n_layers
+
+
+def _policy(flavor: str, **cfg: object) -> dict[str, Float8Decision]:
+    """Decisions for one block (layer 0) and the root of a real flavor, built on meta."""
+    with torch.device("meta"):
+        model = Transformer(replace(FLAVORS[flavor], n_layers=1))
+    decisions = float8_policy(model, Float8Config(enabled=True, **cfg))  # type: ignore[arg-type]
+    return {d.fqn.removeprefix("layers.0."): d for d in decisions}
+
+
+BLOCK = ["attention.wq", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+
+
+def test_policy_1b_keeps_output_and_small_gemms_in_bf16() -> None:
+    """1B at its real vocabulary (128,256): the output projection (tied to the embedding) stays
+    bf16 even when fp8.skip is emptied; K=2048 x N=512 (wk, wv) is too small for tensorwise
+    FP8; the 2048-wide projections and the FFN convert."""
+    for skip, reason in [(["output"], "in fp8.skip"), ([], "weight tied")]:
+        policy = _policy("1B", skip=skip)
+        assert policy["output"].out_features == 128_256
+        assert not policy["output"].converted and policy["output"].reason.startswith(reason)
+    policy = _policy("1B")
+    for name in ["attention.wk", "attention.wv"]:
+        assert not policy[name].converted and "K <= 4096 and N <= 1024" in policy[name].reason
+    assert all(policy[name].converted for name in BLOCK)
+    # Rowwise needs wider outputs: only the FFN's up projections (N = 8192) pay.
+    rowwise = _policy("1B", recipe="rowwise")
+    assert _converted(list(rowwise.values())) == [
+        "layers.0.feed_forward.w1",
+        "layers.0.feed_forward.w3",
+    ]
+
+
+def test_policy_big_flavors_convert_their_big_gemms() -> None:
+    policy = _policy("8B")  # wk/wv: K=4096 x N=1024, just under the tensorwise threshold
+    assert [n for n, d in policy.items() if d.converted] == BLOCK
+    policy = _policy("70B")  # K=8192: every block layer pays
+    assert [n for n, d in policy.items() if d.converted] == [
+        "attention.wq", "attention.wk", "attention.wv", *BLOCK[1:]
+    ]  # fmt: skip
+    assert not policy["output"].converted
+
+
+def test_policy_skip_forces_and_filter_none_converts_small_layers() -> None:
+    policy = _policy("8B", skip=["output", "w1"])
+    assert not policy["feed_forward.w1"].converted
+    assert policy["feed_forward.w1"].reason == "in fp8.skip"
+    tiny = _policy("debug")
+    assert not any(d.converted for d in tiny.values())
+    tiny = _policy("debug", filter="none")
+    assert [n for n, d in tiny.items() if d.converted] == [
+        "attention.wq", "attention.wk", "attention.wv", *BLOCK[1:]
+    ]  # fmt: skip
+    lines = describe_float8(list(_policy("debug").values()))
+    assert lines[0].startswith("fp8: 0 of 8 Linear layers converted (fp8.filter=none")
+    assert any("kept layers.*.attention.wk x1 (K=256, N=256): GEMM too small" in ln for ln in lines)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "sharded", "float8_gather"),
+    [("tensorwise", True, True), ("tensorwise", False, False), ("rowwise", True, False)],
+)
+def test_float8_all_gather_and_precompute_only_where_weights_are_sharded(
+    recipe: str, sharded: bool, float8_gather: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dp_shard = 1: no float8 all-gather (it would cast every full weight in eager mode) and
+    no precomputed scales; sharded tensorwise: both."""
+    import torchao.float8
+
+    cfg = Float8Config(enabled=True, recipe=recipe, filter="none")  # type: ignore[arg-type]
+    model = Transformer(ARGS)
+    apply_float8(model, cfg, weights_sharded=sharded)
+    flags = {
+        m.config.enable_fsdp_float8_all_gather for m in model.modules() if hasattr(m, "config")
+    }
+    assert flags == {float8_gather}
+    calls: list[torch.nn.Module] = []
+    monkeypatch.setattr(torchao.float8, "precompute_float8_dynamic_scale_for_fsdp", calls.append)
+    precompute_float8_scales(model, cfg)
+    assert calls == ([model] if float8_gather else [])
 
 
 def test_missing_torchao_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,7 +229,8 @@ def _argv(dataset: str, out: Path, *extra: str) -> list[str]:
 
     return [
         f"--data.path={dataset}", f"--run.output_dir={out}", *TINY,
-        "--parallel.param_dtype=bfloat16", "--train.micro_batch_size=4", *extra,
+        "--parallel.param_dtype=bfloat16", "--train.micro_batch_size=4",
+        "--fp8.filter=none", *extra,  # the test model's layers are all below the auto filter
     ]  # fmt: skip
 
 
