@@ -55,7 +55,7 @@ from parallel.float8 import (
     precompute_float8_scales,
     unmatched_skips,
 )
-from parallel.fsdp import apply_fsdp, assign_local_shard
+from parallel.fsdp import apply_fsdp, assign_local_shard, reshard_plan
 from parallel.metrics import (
     MetricsConfig,
     MetricsLogger,
@@ -423,10 +423,8 @@ def _train(
     # initialize them. Each block is its own FSDP unit; see parallel/fsdp.py.
     with torch.device("meta"):
         model = plan.family.build_model(plan.args)
-    if job.fp8.enabled:  # before FSDP, so it shards the float8-aware weights
-        converted = apply_float8(model, job.fp8)
-        if is_rank0:
-            logger.info("fp8 (%s): %d Linear layers converted", job.fp8.recipe, len(converted))
+    if job.fp8.enabled:  # before FSDP, so it shards the float8-aware weights; logs its choices
+        apply_float8(model, job.fp8, weights_sharded=plan.dp_shard > 1)
     apply_ac(model, job.ac)  # before compile, so the compiled block includes its recompute
     apply_compile(model, job.compile)  # before FSDP, so its collectives stay outside compiled code
     apply_fsdp(model, plan.family.fsdp_units(model), dp_mesh(mesh), job.parallel)
@@ -476,7 +474,15 @@ def _train(
     skipped_in_a_row = 0
     timer = Timer(device)
     started = time.perf_counter()
-    keep_gathered = job.parallel.reshard_after_forward == "never" and plan.grad_accum_steps > 1
+    # No block freed after forward ('never', or 'default' at dp_shard = 1): keep them gathered
+    # between micro-batches too, saving an all-gather (a copy at dp_shard = 1) per block.
+    resharded = reshard_plan(
+        len(plan.family.fsdp_units(model)),
+        job.parallel.reshard_after_forward,
+        plan.dp_shard,
+        job.parallel.cpu_offload,
+    )
+    keep_gathered = plan.grad_accum_steps > 1 and not any(resharded)
     stopping = False
 
     for step in range(progress.step + 1, t.steps + 1):
@@ -498,9 +504,8 @@ def _train(
                 # earlier ones accumulate unsharded gradients locally, with no communication.
                 model.set_requires_gradient_sync(last)
                 if keep_gathered:
-                    # 'never' holds every block's gathered parameters at the end of forward
-                    # anyway: keeping them between micro-batches too adds nothing to the peak
-                    # and saves an all-gather per block and micro-batch.
+                    # Every block is still gathered at the end of forward anyway: keeping them
+                    # through backward adds nothing to the peak.
                     model.set_reshard_after_backward(last)
                 loss = summed_loss(model, inputs, targets) / global_tokens
                 # FSDP averages gradients over the dp ranks; our loss is already a global mean,
@@ -655,7 +660,7 @@ def set_aside_earlier_attempt(run_dir: Path) -> None:
 
 
 def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
-    shape = model_shape(plan.family, plan.args)
+    shape = model_shape(plan.family, plan.args, job.fp8)
     mem = plan_memory(
         shape,
         plan.dp_shard,
@@ -665,6 +670,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         job.ac.mode,
         job.ac.every,
         job.parallel.reshard_after_forward,
+        job.parallel.cpu_offload,
     )
     comm = plan_communication(
         shape,
@@ -672,9 +678,9 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         plan.dp_shard,
         job.parallel.param_dtype,
         job.parallel.reduce_dtype,
-        fp8=job.fp8.enabled and job.fp8.recipe == "tensorwise",
         reshard_after_forward=job.parallel.reshard_after_forward,
         grad_accum_steps=plan.grad_accum_steps,
+        cpu_offload=job.parallel.cpu_offload,
     )
     print(config_to_toml(job))
     print(

@@ -26,7 +26,7 @@ Reshard = Literal["default", "always", "never"]
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def reshard_after_forward(
+def reshard_plan(
     n_blocks: int, mode: Reshard, dp_shard: int, cpu_offload: bool = False
 ) -> list[bool]:
     """Whether each FSDP unit frees its gathered parameters after forward: one entry per block
@@ -65,9 +65,7 @@ def apply_fsdp(
         # Pinned host memory only helps (and only exists) with a GPU on the other side.
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     dp_shard = mesh.size(mesh.ndim - 1)
-    reshard = reshard_after_forward(
-        len(units), cfg.reshard_after_forward, dp_shard, cfg.cpu_offload
-    )
+    reshard = reshard_plan(len(units), cfg.reshard_after_forward, dp_shard, cfg.cpu_offload)
     for unit, free in zip([*units, model], reshard, strict=True):
         # The blocks first, the root (embeddings, final norm, output projection) last: FSDP2
         # gives a module the parameters that no unit inside it has claimed.

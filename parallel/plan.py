@@ -12,13 +12,15 @@ real run within 1%):
 - Parameters are sharded per FSDP unit (each block, then the root: embeddings, final norm,
   output), dim 0 padded to a multiple of dp_shard, as FSDP2 does.
 - Each micro-batch all-gathers every unit in forward, and again in backward if the unit was
-  resharded after forward (`parallel.reshard_after_forward`: by default every block but the last;
-  never the root). With 'never', units stay gathered from the first micro-batch's forward to
-  the last one's backward: one all-gather per unit and step. AC recompute happens while the
-  unit is gathered: no extra all-gather.
+  resharded after forward (`parallel.fsdp.reshard_plan` decides, for FSDP, the loop
+  and this planner alike). When no unit is resharded ('never', or 'default' at dp_shard = 1),
+  units stay gathered from the first micro-batch's forward to the last one's backward: one
+  all-gather per unit and step. AC recompute happens while the unit is gathered: no extra
+  all-gather.
 - Only the last micro-batch of a step reduces gradients: a reduce-scatter in `reduce_dtype`
   inside the shard group, then (HSDP) an all-reduce of the shard across replicas.
-- fp8 (tensorwise) all-gathers converted Linear weights as 1 byte per element.
+- fp8 (tensorwise) all-gathers the Linear weights that `parallel.float8.float8_policy` converts
+  as 1 byte per element.
 - Bytes sent per rank by a ring: all-gather (S-1)·shard, reduce-scatter (S-1)/S·input,
   all-reduce 2(R-1)/R·buffer. The trainer's few scalar all-reduces (token count, loss, grad
   norm) are left out.
@@ -35,18 +37,19 @@ import torch
 from torch import nn
 
 from model import ModelConfig, ModelFamily, get_family
+from parallel.float8 import Float8Config, float8_policy
+from parallel.fsdp import Reshard, reshard_plan
 
 BYTES = {"bfloat16": 2, "float32": 4}
 AcMode = Literal["none", "full", "selective", "op"]
-Reshard = Literal["default", "always", "never"]
 
 
 @dataclass(frozen=True)
 class Unit:
-    """One FSDP unit: its parameter shapes and which are fp8-convertible Linear weights."""
+    """One FSDP unit: its parameter shapes and which of them are all-gathered in float8."""
 
     shapes: tuple[tuple[int, ...], ...]
-    fp8_convertible: tuple[bool, ...]
+    float8_gathered: tuple[bool, ...]
 
     def numel(self) -> int:
         return sum(math.prod(s) for s in self.shapes)
@@ -55,7 +58,7 @@ class Unit:
         """Elements of this rank's (padded) shard: FSDP2 pads dim 0 to a multiple of shard."""
         return sum(
             math.ceil(s[0] / shard) * math.prod(s[1:])
-            for s, f in zip(self.shapes, self.fp8_convertible, strict=True)
+            for s, f in zip(self.shapes, self.float8_gathered, strict=True)
             if fp8_only is None or f == fp8_only
         )
 
@@ -76,33 +79,29 @@ class ModelShape:
         return sum(u.numel() for u in self.units)
 
 
-def model_shape(
-    family: ModelFamily, args: object, fp8_skip: tuple[str, ...] = ("output",)
-) -> ModelShape:
-    """Build the model on meta (no memory) and read its FSDP units' parameter shapes."""
+def model_shape(family: ModelFamily, args: object, fp8: Float8Config | None = None) -> ModelShape:
+    """Build the model on meta (no memory) and read its FSDP units' parameter shapes. With fp8
+    on and tensorwise, the weights of the Linear layers the FP8 policy converts are all-gathered
+    in float8 (rowwise gathers in the compute dtype)."""
     with torch.device("meta"):
         model = family.build_model(args)
     units = family.fsdp_units(model)
     in_unit = {id(p) for u in units for p in u.parameters()}
+    float8 = set()
+    if fp8 is not None and fp8.enabled and fp8.recipe == "tensorwise":
+        modules = dict(model.named_modules())
+        float8 = {id(modules[d.fqn].weight) for d in float8_policy(model, fp8) if d.converted}
 
-    def unit(params: list[tuple[str, nn.Parameter]], owner: nn.Module) -> Unit:
-        linears = {
-            id(m.weight)
-            for name, m in owner.named_modules()
-            if isinstance(m, nn.Linear)
-            and m.in_features % 16 == 0
-            and m.out_features % 16 == 0
-            and name.split(".")[-1] not in fp8_skip
-        }
+    def unit(params: list[tuple[str, nn.Parameter]]) -> Unit:
         shapes = tuple(tuple(p.shape) for _, p in params)
-        return Unit(shapes, tuple(id(p) in linears for _, p in params))
+        return Unit(shapes, tuple(id(p) in float8 for _, p in params))
 
-    blocks = [unit(list(u.named_parameters()), u) for u in units]
+    blocks = [unit(list(u.named_parameters())) for u in units]
     root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_unit]
     # The widest Linear output of a block is its FFN hidden size (SwiGLU's up projections).
     ffn_hidden = max(m.out_features for m in units[0].modules() if isinstance(m, nn.Linear))
     return ModelShape(
-        [*blocks, unit(root, model)],
+        [*blocks, unit(root)],
         dim=args.dim,
         kv_dim=args.n_kv_heads * args.head_dim,
         ffn_hidden=ffn_hidden,
@@ -111,37 +110,28 @@ def model_shape(
     )
 
 
-def _resharded(policy: Reshard, index: int, n_blocks: int) -> bool:
-    """Whether unit `index` (blocks first, the root last) is freed after forward."""
-    if policy == "always":
-        return True
-    if policy == "never" or index == n_blocks:  # the root is not resharded unless 'always'
-        return False
-    return index < n_blocks - 1  # 'default': all blocks but the last
-
-
 def plan_communication(
     shape: ModelShape,
     dp_replicate: int,
     dp_shard: int,
     param_dtype: str = "bfloat16",
     reduce_dtype: str = "float32",
-    fp8: bool = False,
     reshard_after_forward: Reshard = "default",
     grad_accum_steps: int = 1,
+    cpu_offload: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Bytes each rank sends per optimizer step: {mesh dim: {collective: bytes}}."""
     units = shape.units
-    n_blocks = len(units) - 1
     s, r = dp_shard, dp_replicate
+    resharded = reshard_plan(len(units) - 1, reshard_after_forward, s, cpu_offload)
+    # With no unit resharded, the loop keeps them gathered across micro-batches too.
+    kept_all_step = not any(resharded)
     gather = reduce_scatter = all_reduce = 0.0
-    for i, u in enumerate(units):
-        if fp8:  # converted Linear weights cross as float8; norms, embeddings, output do not
-            gathered = u.shard_numel(s, True) + u.shard_numel(s, False) * BYTES[param_dtype]
-        else:
-            gathered = u.shard_numel(s) * BYTES[param_dtype]
-        passes = 2 if _resharded(reshard_after_forward, i, n_blocks) else 1
-        if reshard_after_forward != "never":  # 'never' keeps units gathered for the whole step
+    for u, freed in zip(units, resharded, strict=True):
+        # float8-gathered weights cross as 1 byte; norms, embeddings, output in param_dtype
+        gathered = u.shard_numel(s, True) + u.shard_numel(s, False) * BYTES[param_dtype]
+        passes = 2 if freed else 1
+        if not kept_all_step:
             passes *= grad_accum_steps
         gather += passes * (s - 1) * gathered
         grad_shard = u.shard_numel(s) * BYTES[reduce_dtype]
@@ -192,6 +182,7 @@ def plan_memory(
     ac_mode: AcMode = "none",
     ac_every: int = 1,
     reshard_after_forward: Reshard = "default",
+    cpu_offload: bool = False,
 ) -> dict[str, float]:
     """Bytes per rank: the sharded fp32 training state, gathered parameters and activations.
 
@@ -205,8 +196,10 @@ def plan_memory(
     tokens = micro_batch * seq_len
     root, block = units[-1].numel(), units[0].numel()
     # The root stays gathered all step; one block computes while the next is prefetched
-    # ('never' keeps every block gathered from its forward to its backward).
-    gathered_blocks = len(units) - 1 if reshard_after_forward == "never" else 2
+    # (a block not resharded after forward stays gathered until its backward).
+    n_blocks = len(units) - 1
+    kept = n_blocks - sum(reshard_plan(n_blocks, reshard_after_forward, dp_shard, cpu_offload)[:-1])
+    gathered_blocks = max(kept, min(2, n_blocks))
     return {
         "params": 4 * shard,
         "grads": 4 * shard,
@@ -258,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (sequences)")
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--fp8", action="store_true", help="tensorwise float8 all-gather")
+    p.add_argument("--fp8", action="store_true", help="fp8 tensorwise (fp8.filter=auto)")
     p.add_argument("--ac", default="none", choices=["none", "full", "selective", "op"])
     p.add_argument("--ac-every", type=int, default=2)
     p.add_argument("--param-dtype", default="bfloat16", choices=list(BYTES))
@@ -269,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-mem", type=float, default=80, help="GB per GPU")
     a = p.parse_args(argv)
     family = get_family(a.family)
-    shape = model_shape(family, family.build_args(ModelConfig(name=a.family, flavor=a.model)))
+    args = family.build_args(ModelConfig(name=a.family, flavor=a.model))
+    shape = model_shape(family, args, Float8Config(enabled=a.fp8))
     world = a.nodes * a.gpus_per_node
     meshes = {
         f"FSDP 1x{world}": (1, world),
@@ -281,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             shape, shard, a.batch, a.seq_len, a.param_dtype, a.ac, a.ac_every, a.reshard
         )
         comm = plan_communication(
-            shape, rep, shard, a.param_dtype, a.reduce_dtype, a.fp8, a.reshard, a.grad_accum
+            shape, rep, shard, a.param_dtype, a.reduce_dtype, a.reshard, a.grad_accum
         )
         columns[name] = (mem, comm)
         # A shard group within one node talks over NVLink; spanning nodes, the slow link rules.

@@ -143,16 +143,16 @@ def test_different_seeds_and_parameters_get_different_values() -> None:
 
 
 def test_reshard_plan_keeps_blocks_gathered_only_where_nothing_is_sharded() -> None:
-    from parallel.fsdp import reshard_after_forward
+    from parallel.fsdp import reshard_plan
 
     # Blocks in order, then the root.
-    assert reshard_after_forward(3, "default", dp_shard=4) == [True, True, False, False]
-    assert reshard_after_forward(3, "default", dp_shard=1) == [False] * 4
+    assert reshard_plan(3, "default", dp_shard=4) == [True, True, False, False]
+    assert reshard_plan(3, "default", dp_shard=1) == [False] * 4
     # Offloading exists to free the GPU copies: it keeps the sharded plan.
     default = [True, True, False, False]
-    assert reshard_after_forward(3, "default", dp_shard=1, cpu_offload=True) == default
-    assert reshard_after_forward(3, "always", dp_shard=1) == [True] * 4  # asked for: kept
-    assert reshard_after_forward(3, "never", dp_shard=8) == [False] * 4
+    assert reshard_plan(3, "default", dp_shard=1, cpu_offload=True) == default
+    assert reshard_plan(3, "always", dp_shard=1) == [True] * 4  # asked for: kept
+    assert reshard_plan(3, "never", dp_shard=8) == [False] * 4
 
 
 def gathered_after_forward(dp_replicate: int) -> list[bool]:

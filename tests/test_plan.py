@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from model import llama
+from parallel.float8 import Float8Config
 from parallel.plan import main, model_shape, plan_communication, plan_memory
 from tests.distributed import run_distributed
 
@@ -115,7 +116,7 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
             ["--parallel.reshard_after_forward=always", "--ac.mode=full", "--model.vocab_size=510"],
         ),
         (2, ["--parallel.reshard_after_forward=never", "--ac.mode=op"]),
-        (2, ["--fp8.enabled=true"]),
+        (2, ["--fp8.enabled=true", "--fp8.filter=none"]),  # the tiny layers: all converted
     ],
     ids=["fsdp-1x4", "hsdp-2x2", "fsdp-always-ac", "hsdp-never-op-ac", "hsdp-fp8"],
 )
@@ -144,11 +145,11 @@ def test_planner_matches_instrumented_collectives(
     results = run_distributed(instrumented_step, 4, argv, nodes=nodes)
     job = parse_config(JobConfig, argv)
     family = get_family(job.model.name)
-    shape, rep, shard = model_shape(family, family.build_args(job.model)), nodes, 4 // nodes
-    p = job.parallel
+    shape = model_shape(family, family.build_args(job.model), job.fp8)
+    rep, shard, p = nodes, 4 // nodes, job.parallel
     planned = plan_communication(
         shape, rep, shard, p.param_dtype, p.reduce_dtype,
-        fp8=job.fp8.enabled, reshard_after_forward=p.reshard_after_forward, grad_accum_steps=2,
+        reshard_after_forward=p.reshard_after_forward, grad_accum_steps=2,
     )  # fmt: skip
     for result in results:
         sent = result["sent"]
@@ -180,7 +181,7 @@ def test_planner_counts_passes_and_ring_factors() -> None:
     assert hsdp["dp_replicate"]["all_reduce"] == pytest.approx(2 * 15 / 16 * n / 8 * 4, rel=1e-6)
     assert fsdp["dp_replicate"]["all_reduce"] == 0
     assert math.isclose(n, 8.03e9, rel_tol=0.01)
-    fp8 = plan_communication(shape, 16, 8, fp8=True)
+    fp8 = plan_communication(model_shape(llama, args, Float8Config(enabled=True)), 16, 8)
     assert fp8["dp_shard"]["all_gather"] < 0.6 * hsdp["dp_shard"]["all_gather"]
     assert fp8["dp_shard"]["reduce_scatter"] == hsdp["dp_shard"]["reduce_scatter"]
 
