@@ -531,9 +531,19 @@ def test_sbatch_stop_signals_save_the_step_in_flight_and_usr1_requeues(
         slurm_cmd("scancel", "--batch", "--signal=USR1", job)
         wait_until(lambda: state() == "PENDING", "the requeued job pending")
         requeued_after = time.monotonic() - start
-        # Slurm holds a requeued job back for two minutes; release it now.
-        slurm_cmd("scontrol", "update", f"JobId={job}", "StartTime=now")
-        wait_until(lambda: RESUMING.search(log()), "the requeued job resuming")
+        # Slurm holds a requeued job back for two minutes; release it now. Asked again until it
+        # resumes: an update that lands before the controller has set its hold is overwritten.
+        last_release = [0.0]
+
+        def released_and_resuming() -> bool:
+            if RESUMING.search(log()):
+                return True
+            if time.monotonic() - last_release[0] > 5 and state() == "PENDING":
+                slurm_cmd("scontrol", "update", f"JobId={job}", "StartTime=now")
+                last_release[0] = time.monotonic()
+            return False
+
+        wait_until(released_and_resuming, "the requeued job resuming", timeout=150)
         first_stop = STOPPED.search(log())
         assert first_stop, log()[-4000:]
         resumed_at = int(RESUMING.search(log()).group(2))
