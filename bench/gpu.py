@@ -3,7 +3,15 @@
     python bench/gpu.py                 # both suites, ~15 min on one H100
     python bench/gpu.py --suite 1b      # 1B: bf16 eager, compile, compile + AC, compile + fp8
     python bench/gpu.py --suite fp8     # 8B-shaped layers: fp8 vs bf16, eager and compiled
+    python bench/gpu.py --suite 8b-blocks --profile   # 8 8B blocks, vocab 2048, with a profile
     python bench/gpu.py --smoke         # the debug model on any device: checks the harness only
+
+`--profile` has each case profile its last step with the trainer's own
+`--metrics.profile_step` and prints where that step's time went, from the Chrome trace the
+trainer writes: GEMM, attention, copies (memcpy, casts, FSDP's copy-in/out), Triton (Inductor's
+kernels), collectives and other, each as time and share of the step's span, with the busy time
+(any kernel running) against the span. On CPU the trace has no kernels: CPU ops are grouped by
+self time instead, which is what `--smoke --profile` checks.
 
 Every case is `python train.py` on one process (FSDP2 on a one-rank mesh, as always) with the
 trainer's own metrics; this script parses rank 0's `step N ... tok/s X ... tflops/dev Y ...
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shlex
 import statistics
@@ -52,6 +61,12 @@ SUITES = {
             "fp8 compile": [*COMPILE, *FP8],
         },
     },
+    # Issue "GPU speed": the transformer blocks of 8B without its 128k vocabulary, whose output
+    # projection would dominate a few-layer model; per-block compile, no AC, as torchtitan runs.
+    "8b-blocks": {
+        "model": ["--model.flavor=8B", "--model.n_layers=8", "--model.vocab_size=2048", *SEQ],
+        "cases": {"bf16 compile": COMPILE, "fp8 compile": [*COMPILE, *FP8]},
+    },
     # Issue "FP8": 8B-shaped layers, fewer of them so one GPU holds the model and its states.
     # Target >= 1.30x for fp8 + compile over bf16 + compile.
     "fp8": {
@@ -72,14 +87,15 @@ FIELDS = {  # log-line field -> key; the trainer prints e.g. `tok/s 1,234  tflop
     "mem": "mem_gib",
     "rss": "mem_gib",
 }
-STEP_LINE = re.compile(r"\bstep (\d+)\s+loss\s.*\btok/s\s")
+STEP_LINE = re.compile(r"\bstep (\d+)(?:/\d+)?\s+loss\s.*\btok/s\s")  # "step 3/40  loss ..."
 
 
-def parse_steps(log: str, warmup: int) -> dict[str, list[float]]:
+def parse_steps(log: str, warmup: int, until: int | None = None) -> dict[str, list[float]]:
+    """Samples after warm-up, up to (not including) the interval that ends at step `until`."""
     samples: dict[str, list[float]] = {}
     for line in log.splitlines():
         m = STEP_LINE.search(line)
-        if not m or int(m.group(1)) <= warmup:
+        if not m or int(m.group(1)) <= warmup or (until and int(m.group(1)) >= until):
             continue
         for field, key in FIELDS.items():
             if f := re.search(rf"(?:^|\s){re.escape(field)} ([\d,.]+)", line):
@@ -97,11 +113,113 @@ def bf16_peak() -> float | None:
     return peak_tflops(torch.device("cuda", 0), "bf16", None)
 
 
+GROUPS = ["GEMM", "attention", "copies", "Triton", "collectives", "other"]
+_PATTERNS = [  # first match wins; names lower-cased
+    # Inductor's generated kernels: Triton on GPU; on CPU its C++ runs inside the compiled
+    # function's own time.
+    ("Triton", ("triton", "cpp_fused", "compiledfunction", "torch-compiled region")),
+    ("collectives", ("nccl", "c10d::", "all_gather", "allgather", "reduce_scatter",
+                     "allreduce", "all_reduce", "record_param_comms")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "attn")),
+    ("GEMM", ("gemm", "cutlass", "cublas", "nvjet", "xmma", "aten::mm", "aten::addmm",
+              "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "scaled_mm",
+              "mkldnn", "onednn")),
+    ("copies", ("memcpy", "memset", "copy", "aten::cat", "chunk_cat", "split_with_sizes")),
+]  # fmt: skip
+
+
+def kernel_group(name: str) -> str | None:
+    n = name.lower()
+    return next((group for group, keys in _PATTERNS if any(k in n for k in keys)), None)
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def kernel_groups(trace: dict) -> dict:
+    """Where a profiled step's time went: {"source", "span_ms", "busy_ms", "groups": {group:
+    {"ms", "count"}}}. With device events (CUDA kernels, memcpy, memset), each group's time
+    is the union of its kernels' intervals (streams may overlap). Without them (a CPU run),
+    CPU ops by self time: each op's own time outside its child ops, in the group of the op or,
+    if it matches none, of its nearest enclosing op that does (attention claims everything
+    inside it, so the batched matmuls of a math-path SDPA count as attention)."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    chosen = device or [e for e in events if e.get("cat") == "cpu_op"]
+    groups = {g: {"ms": 0.0, "count": 0} for g in GROUPS}
+    if not chosen:
+        return {"source": "none", "span_ms": 0.0, "busy_ms": 0.0, "groups": groups}
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in chosen]
+    if device:
+        named = [
+            (kernel_group(e["name"]) or "other", sp) for e, sp in zip(chosen, spans, strict=True)
+        ]
+        for group in GROUPS:
+            mine = [sp for g, sp in named if g == group]
+            groups[group] = {"ms": _union_us(mine) / 1e3, "count": len(mine)}
+    else:
+        for group, self_us in _cpu_self_times(chosen):
+            groups[group]["ms"] += self_us / 1e3
+            groups[group]["count"] += 1
+    start, stop = min(a for a, _ in spans), max(b for _, b in spans)
+    return {
+        "source": "device kernels" if device else "CPU ops (self time)",
+        "span_ms": (stop - start) / 1e3,
+        "busy_ms": _union_us(spans) / 1e3,
+        "groups": groups,
+    }
+
+
+def _cpu_self_times(ops: list[dict]) -> list[tuple[str, float]]:
+    """(group, self time in us) of each CPU op, nesting read per thread from the intervals."""
+    out: list[tuple[str, float]] = []
+    by_thread: dict[tuple, list[dict]] = {}
+    for e in ops:
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        stack: list[list] = []  # [end, group, own time left]
+        for e in thread:
+            start, dur = float(e["ts"]), float(e["dur"])
+            while stack and stack[-1][0] <= start:
+                out.append((stack[-1][1], stack.pop()[2]))
+            parent = stack[-1][1] if stack else None
+            own = kernel_group(e["name"])
+            group = "attention" if parent == "attention" else own or parent or "other"
+            if stack:
+                stack[-1][2] -= dur
+            stack.append([start + dur, group, dur])
+        out += [(group, left) for _, group, left in stack]
+    return out
+
+
+def profile_table(profile: dict) -> list[str]:
+    span = profile["span_ms"] or 1.0
+    lines = [f"time by kernel group ({profile['source']}), profiled step span "
+             f"{profile['span_ms']:.1f} ms:", "", "| group | count | ms | % of span |",
+             "|---|---|---|---|"]  # fmt: skip
+    for group, row in profile["groups"].items():
+        lines.append(
+            f"| {group} | {row['count']} | {row['ms']:.2f} | {100 * row['ms'] / span:.1f}% |"
+        )
+    lines.append(f"| busy (any running) | | {profile['busy_ms']:.2f} | "
+                 f"{100 * profile['busy_ms'] / span:.1f}% |")  # fmt: skip
+    return lines
+
+
 def run_case(suite: str, name: str, args: list[str], opts: argparse.Namespace) -> dict:
     label = re.sub(r"[^a-z0-9]+", "-", f"{suite} {name}".lower()).strip("-")
     cmd = [sys.executable, "train.py", *COMMON, *args, f"--train.steps={opts.steps}"]
     cmd += [f"--metrics.warmup_steps={opts.warmup}", f"--metrics.log_interval={opts.interval}"]
     cmd += [f"--run.output_dir={opts.out.parent / 'runs'}", f"--run.name={label}"]
+    if opts.profile:  # the last step, left out of the throughput samples
+        cmd.append(f"--metrics.profile_step={opts.steps}")
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     log = proc.stdout + proc.stderr
@@ -116,7 +234,7 @@ def run_case(suite: str, name: str, args: list[str], opts: argparse.Namespace) -
         )
         print(f"  {label}: FAILED ({result['error']})", file=sys.stderr)
         return result
-    samples = parse_steps(log, opts.warmup)
+    samples = parse_steps(log, opts.warmup, opts.steps if opts.profile else None)
     if "tok_s" not in samples:
         result["error"] = "no step line after warm-up: add --steps"
         return result
@@ -125,6 +243,9 @@ def run_case(suite: str, name: str, args: list[str], opts: argparse.Namespace) -
     if opts.peak and "tflops" in result:
         result["mfu_bf16_pct"] = 100 * result["tflops"] / opts.peak
     print(f"  {label}: {result['tok_s']:,.0f} tok/s", file=sys.stderr)
+    if opts.profile:
+        trace = opts.out.parent / "runs" / label / "profile" / f"step{opts.steps}_rank0.json"
+        result["profile"] = kernel_groups(json.loads(trace.read_text()))
     return result
 
 
@@ -146,6 +267,9 @@ def markdown(report: dict) -> str:
                 f"| {r['case']} | {r['tok_s']:,.0f} | {r.get('tflops', 0):.1f} | {mfu} | "
                 f"{r.get('mem_gib', 0):.1f} | {ratio} |"
             )
+        for r in rows:
+            if r.get("profile"):
+                lines += ["", f"#### {r['case']}", "", *profile_table(r["profile"])]
     return "\n".join(lines)
 
 
@@ -156,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=15, help="steps left out (compile included)")
     p.add_argument("--interval", type=int, default=5, help="steps per logged sample")
     p.add_argument("--smoke", action="store_true", help="debug model, 4 steps: harness check")
+    p.add_argument(
+        "--profile", action="store_true", help="profile each case's last step: time by kernel group"
+    )
     p.add_argument("--out", type=Path, default=REPO / "outputs/bench/gpu/gpu.json")
     opts = p.parse_args(argv)
     if opts.smoke:

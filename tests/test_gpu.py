@@ -1,7 +1,12 @@
-"""GPU checks (NCCL, bf16, MFU). Skipped where no CUDA device is visible, as in CI."""
+"""GPU checks (NCCL, bf16, MFU, init on CUDA), skipped where no CUDA device is visible, as in CI;
+and, on any machine, the kernel grouping `bench/gpu.py --profile` prints."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,12 +15,15 @@ import torch
 from tests.distributed import run_distributed
 from tests.test_train import TINY, train_losses
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible"),
-]
+REPO = Path(__file__).resolve().parents[1]
 
 
+def needs_gpu(test: Callable) -> Callable:
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+    return pytest.mark.gpu(skip(test))
+
+
+@needs_gpu
 def test_trains_on_one_gpu_with_nccl_in_bf16(tiny_dataset: str, tmp_path: Path) -> None:
     argv = [
         f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
@@ -26,6 +34,7 @@ def test_trains_on_one_gpu_with_nccl_in_bf16(tiny_dataset: str, tmp_path: Path) 
     assert losses[-1] < losses[0]
 
 
+@needs_gpu
 def test_gpu_fp32_matches_cpu_fp32(tiny_dataset: str, tmp_path: Path) -> None:
     argv = [
         f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
@@ -33,5 +42,113 @@ def test_gpu_fp32_matches_cpu_fp32(tiny_dataset: str, tmp_path: Path) -> None:
     ]  # fmt: skip
     cpu = run_distributed(train_losses, 1, [*argv, "--parallel.device=cpu"])[0]
     gpu = run_distributed(train_losses, 1, [*argv, "--parallel.device=cuda"])[0]
-    # TF32 is off by default for matmuls in PyTorch; remaining differences are summation order.
+    # Same initial weights (model/random_init.py); TF32 is off by default for matmuls in
+    # PyTorch, so the remaining differences are summation order.
     torch.testing.assert_close(torch.tensor(gpu), torch.tensor(cpu), rtol=1e-4, atol=0)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_init_on_cuda_is_bitwise_the_cpu_init(dtype: torch.dtype) -> None:
+    """Every parameter, bit for bit, whole and as a shard (a region of rows and columns)."""
+    from dataclasses import replace
+
+    from model import random_init
+    from model.llama import FLAVORS, Transformer
+
+    args = replace(FLAVORS["debug"], n_layers=2)  # untied: the plain-normal embedding too
+    on = {}
+    for device in ("cpu", "cuda"):
+        with torch.device("meta"):
+            model = Transformer(args)
+        model.to_empty(device=device)
+        model.to(dtype).init_weights(seed=3, rope_len=16)
+        on[device] = {n: p.detach().cpu() for n, p in model.named_parameters()}
+    for name, value in on["cpu"].items():
+        assert torch.equal(on["cuda"][name], value), name
+    shape, region = (1000, 300), (slice(123, 877), slice(7, 260))
+    shards = [
+        random_init.normal(5, "w", shape, region, 0.02, truncated, torch.device(device)).cpu()
+        for device in ("cpu", "cuda")
+        for truncated in (True, False)
+    ]
+    assert torch.equal(shards[0], shards[2]) and torch.equal(shards[1], shards[3])
+
+
+def _bench_gpu():
+    sys.path.insert(0, str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "bench" / "gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def _event(name: str, ts: float, dur: float, cat: str, tid: int = 1) -> dict:
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "pid": 1, "tid": tid}
+
+
+def test_profile_groups_device_kernels_by_union_of_intervals() -> None:
+    """GPU trace: kernels only (CPU ops ignored); overlapping streams counted once; busy is
+    the union of all kernels, span first start to last end."""
+    trace = {
+        "traceEvents": [
+            _event("aten::mm", 0, 1000, "cpu_op"),
+            _event("sm90_xmma_gemm_bf16bf16_bf16f32", 0, 100, "kernel", tid=7),
+            _event("nvjet_tst_128x256_64x4", 50, 100, "kernel", tid=8),  # overlaps: 150 in all
+            _event("pytorch_flash::flash_fwd_kernel", 200, 50, "kernel", tid=7),
+            _event("Memcpy DtoD (Device -> Device)", 260, 10, "gpu_memcpy", tid=7),
+            _event("void at::native::direct_copy_kernel_cuda", 270, 10, "kernel", tid=7),
+            _event("triton_poi_fused_mul_silu_0", 300, 40, "kernel", tid=7),
+            _event("ncclDevKernel_AllGather_RING_LL", 300, 100, "kernel", tid=9),
+            _event("void at::native::vectorized_elementwise_kernel", 500, 0, "kernel", tid=7),
+        ]
+    }
+    profile = _bench_gpu().kernel_groups(trace)
+    groups = {g: (row["count"], round(row["ms"] * 1e3)) for g, row in profile["groups"].items()}
+    assert groups == {
+        "GEMM": (2, 150), "attention": (1, 50), "copies": (2, 20), "Triton": (1, 40),
+        "collectives": (1, 100), "other": (1, 0),
+    }  # fmt: skip
+    assert profile["source"] == "device kernels"
+    assert round(profile["span_ms"] * 1e3) == 500 and round(profile["busy_ms"] * 1e3) == 320
+
+
+def test_profile_groups_cpu_ops_by_self_time() -> None:
+    """CPU trace (no kernels): nested ops by self time; an unnamed child belongs to its
+    parent's group, and all of an attention op's children to attention."""
+    trace = {
+        "traceEvents": [
+            _event("aten::linear", 0, 100, "cpu_op"),
+            _event("aten::t", 0, 10, "cpu_op"),  # GEMM, through aten::linear
+            _event("aten::mm", 10, 80, "cpu_op"),
+            _event("aten::scaled_dot_product_attention", 100, 50, "cpu_op"),
+            _event("aten::bmm", 110, 30, "cpu_op"),  # inside attention: attention
+            _event("aten::copy_", 150, 20, "cpu_op"),
+            _event("CompiledFunction", 200, 100, "cpu_op"),  # Inductor's C++ kernels
+            _event("aten::mm", 250, 40, "cpu_op"),
+            _event("aten::_fused_adamw_", 300, 25, "cpu_op", tid=2),
+        ]
+    }
+    profile = _bench_gpu().kernel_groups(trace)
+    ms = {g: round(row["ms"] * 1e3) for g, row in profile["groups"].items()}
+    assert ms == {
+        "GEMM": 140, "attention": 50, "copies": 20, "Triton": 60, "collectives": 0, "other": 25
+    }  # fmt: skip
+    assert profile["source"] == "CPU ops (self time)"
+    assert round(profile["span_ms"] * 1e3) == 325 and round(profile["busy_ms"] * 1e3) == 295
+
+
+def test_profile_groups_a_real_cpu_trace(tmp_path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(2, 4, 64, 32, requires_grad=True)
+    linear = torch.nn.Linear(32, 32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        y = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+        linear(y).sum().backward()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    result = _bench_gpu().kernel_groups(json.loads((tmp_path / "trace.json").read_text()))
+    groups = result["groups"]
+    assert groups["attention"]["ms"] > 0 and groups["GEMM"]["ms"] > 0
+    total = sum(row["ms"] for row in groups.values())
+    assert total == pytest.approx(result["busy_ms"], rel=0.05)  # self times tile busy time
