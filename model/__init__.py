@@ -208,10 +208,11 @@ class ModelFamily(Protocol):
 
 
 # The families, by --model.name. Adding one: its module(s) in model/ and one line here.
-from model import llama  # noqa: E402  (after the contract, which the families import)
+from model import llama, qwen3  # noqa: E402  (after the contract, which the families import)
 
 FAMILIES: dict[str, ModelFamily] = {
     "llama3": llama,
+    "qwen3": qwen3,
 }
 
 

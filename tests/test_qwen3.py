@@ -26,8 +26,6 @@ from tests.test_train import FP32, TINY, assert_close, train_losses
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-REGISTERED = "qwen3" in FAMILIES
-NOT_REGISTERED = "until model/__init__.py's FAMILIES maps 'qwen3' to model.qwen3"
 SEQ = 32
 # GQA (4 query heads share 2 kv heads) and n_heads * head_dim = 128 != dim = 64: the two places
 # where a Llama-shaped assumption would break.
@@ -46,13 +44,8 @@ def one_thread() -> Any:
 
 
 def qwen_config(**fields: Any) -> ModelConfig:
-    """A [model] section naming qwen3. ModelConfig checks the name against FAMILIES when
-    constructed, so until the family is registered it is built as llama3's and renamed."""
-    if REGISTERED:
-        return ModelConfig(name="qwen3", **fields)
-    cfg = ModelConfig(**fields)
-    cfg.name = "qwen3"
-    return cfg
+    """A [model] section naming qwen3."""
+    return ModelConfig(name="qwen3", **fields)
 
 
 # ---- shapes --------------------------------------------------------------------------------
@@ -152,7 +145,6 @@ def test_build_args_rejects(fields: dict[str, Any], message: str) -> None:
         build_args(qwen_config(**({"flavor": "debug"} | fields)))
 
 
-@pytest.mark.skipif(not REGISTERED, reason=NOT_REGISTERED)
 def test_registered_under_its_name() -> None:
     assert FAMILIES["qwen3"] is qwen3
 
@@ -407,7 +399,6 @@ def test_debug_flavor_trains_on_cpu(tied: bool) -> None:
 # debug flavor: head_dim 32 (attention 128 wide), tied embeddings; ffn_dim 128.
 QWEN = ["--model.name=qwen3", "--model.ffn_dim=128"]
 GOLDEN = Path(__file__).parent / "golden" / "qwen3_debug_losses.json"
-needs_registration = pytest.mark.skipif(not REGISTERED, reason=NOT_REGISTERED)
 
 
 def run_argv(dataset: str, out: Path, name: str, *extra: str) -> list[str]:
@@ -416,7 +407,6 @@ def run_argv(dataset: str, out: Path, name: str, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-@needs_registration
 def test_trainer_parity_one_process_fsdp_hsdp(tiny_dataset: str, tmp_path: Path) -> None:
     """Same seed and global batch: 1 process, FSDP 1x4 and HSDP 2x2 give the same losses."""
     argv = run_argv(tiny_dataset, tmp_path, "parity", "--train.steps=6")
@@ -437,7 +427,6 @@ def saved_run(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> tu
     return run_distributed(train_losses, 2, argv)[0], out
 
 
-@needs_registration
 def test_trainer_resume_is_bitwise_exact(saved_run: tuple[list, Path], tiny_dataset: str) -> None:
     losses, out = saved_run
     step4 = out / "sync" / "checkpoints" / "step-4"
@@ -446,7 +435,6 @@ def test_trainer_resume_is_bitwise_exact(saved_run: tuple[list, Path], tiny_data
     assert run_distributed(train_losses, 2, argv)[0] == losses[4:]
 
 
-@needs_registration
 def test_trainer_init_from_hf_equals_load_model_only(
     saved_run: tuple[list, Path], tiny_dataset: str
 ) -> None:
@@ -466,7 +454,6 @@ def test_trainer_init_from_hf_equals_load_model_only(
     )
 
 
-@needs_registration
 def test_trainer_golden_losses_debug_flavor(tiny_dataset: str, tmp_path: Path) -> None:
     """The debug flavor's first 20 losses match tests/golden/qwen3_debug_losses.json.
 
@@ -488,7 +475,6 @@ def test_trainer_golden_losses_debug_flavor(tiny_dataset: str, tmp_path: Path) -
     assert_close(losses, golden["losses"], rtol=1e-4)
 
 
-@needs_registration
 @pytest.mark.parametrize(
     ("config", "nodes", "per_node", "mesh"),
     [
@@ -513,7 +499,6 @@ def test_shipped_configs_resolve_on_their_intended_clusters(
     assert mesh in result.stdout
 
 
-@needs_registration
 @pytest.mark.parametrize("ac", ["op", "full"])
 def test_trainer_activation_checkpointing_keeps_the_losses(
     tiny_dataset: str, tmp_path: Path, ac: str
