@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -508,3 +509,62 @@ def test_trainer_activation_checkpointing_keeps_the_losses(
     argv = run_argv(tiny_dataset, tmp_path, "ac", "--train.steps=3")
     plain = run_distributed(train_losses, 1, argv)[0]
     assert run_distributed(train_losses, 1, [*argv, f"--ac.mode={ac}"])[0] == plain
+
+
+@pytest.mark.slow
+def test_trainer_resumes_on_other_meshes(saved_run: tuple[list, Path], tiny_dataset: str) -> None:
+    """The FSDP 1x2 checkpoint at step 4 continues on 1 process and on HSDP 2x2 (DCP reshards
+    weights, optimizer state and data position) with the straight run's losses."""
+    losses, out = saved_run
+    step4 = out / "sync" / "checkpoints" / "step-4"
+    for world, nodes in [(1, 1), (4, 2)]:
+        name = f"reshard{world}x{nodes}"
+        argv = run_argv(tiny_dataset, out, name, "--model.tie_embeddings=false",
+                        "--train.steps=8", f"--checkpoint.resume={step4}")  # fmt: skip
+        if nodes > 1:
+            argv.append(f"--parallel.dp_replicate={nodes}")
+        assert_close(run_distributed(train_losses, world, argv, nodes=nodes)[0], losses[4:],
+                     rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_export_gives_the_trainers_val_loss_in_transformers(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """The documented path: `python train.py` with an eval at the last step, `python -m
+    checkpoint.export` of its checkpoint, `from_pretrained`: transformers' loss on the same
+    validation batches is the val_loss the trainer logged."""
+    transformers = pytest.importorskip("transformers")
+    from data.loader import DataConfig, build_dataloader, open_dataset
+
+    root = Path(__file__).resolve().parents[1]
+    argv = run_argv(tiny_dataset, tmp_path, "val", "--train.steps=4", "--train.eval_interval=4",
+                    "--train.eval_batches=2", "--checkpoint.interval=4")  # fmt: skip
+    run = subprocess.run([sys.executable, "train.py", *argv], cwd=root, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    logged = float(re.findall(r"val_loss (\d+\.\d+)", run.stderr)[-1])
+    hf = tmp_path / "hf"
+    step4 = tmp_path / "val" / "checkpoints" / "step-4"
+    export = subprocess.run(
+        [sys.executable, "-m", "checkpoint.export", str(step4), str(hf), "--dtype=float32"],
+        cwd=root, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert export.returncode == 0, export.stderr[-3000:]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, local_files_only=True).eval()
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    val = build_dataloader(DataConfig(path=tiny_dataset, seq_len=32), "val", dp_rank=0,
+                           dp_size=1, micro_batch_size=8, seed=0,
+                           index=open_dataset(tiny_dataset))  # fmt: skip
+    batches = iter(val)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for _ in range(2):  # eval_batches global batches of 8 sequences
+            inputs, targets = next(batches)
+            logits = model(inputs).logits.float()
+            total += torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+            ).item()
+            count += int((targets != -100).sum())
+    # The log rounds to 4 decimals.
+    assert abs(total / count - logged) <= 1e-4, (total / count, logged)
