@@ -424,7 +424,8 @@ def _train(
     with torch.device("meta"):
         model = plan.family.build_model(plan.args)
     if job.fp8.enabled:  # before FSDP, so it shards the float8-aware weights; logs its choices
-        apply_float8(model, job.fp8, weights_sharded=plan.dp_shard > 1)
+        candidates = plan.family.fp8_linears(model)
+        apply_float8(model, job.fp8, candidates=candidates, weights_sharded=plan.dp_shard > 1)
     apply_ac(model, job.ac)  # before compile, so the compiled block includes its recompute
     apply_compile(model, job.compile)  # before FSDP, so its collectives stay outside compiled code
     apply_fsdp(model, plan.family.fsdp_units(model), dp_mesh(mesh), job.parallel)

@@ -32,7 +32,7 @@ from torch import nn
 from configs import ConfigError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Collection, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +126,12 @@ def _too_small(recipe: str, k: int, n: int) -> str | None:
     return "N <= 4096 and K <= 2048" if n <= 4096 and k <= 2048 else None
 
 
-def _kept_because(fqn: str, linear: nn.Linear, cfg: Float8Config, tied: bool) -> str | None:
+def _kept_because(
+    fqn: str, linear: nn.Linear, cfg: Float8Config, tied: bool, candidate: bool
+) -> str | None:
     k, n = linear.in_features, linear.out_features
+    if not candidate:
+        return "not an FP8 candidate of this model family (its fp8_linears)"
     if _skipped(fqn, cfg.skip):
         return "in fp8.skip"
     if tied:
@@ -139,9 +143,12 @@ def _kept_because(fqn: str, linear: nn.Linear, cfg: Float8Config, tied: bool) ->
     return None
 
 
-def float8_policy(model: nn.Module, cfg: Float8Config) -> list[Float8Decision]:
+def float8_policy(
+    model: nn.Module, cfg: Float8Config, candidates: Collection[str] | None = None
+) -> list[Float8Decision]:
     """For every nn.Linear of `model`: convert to FP8 or keep in high precision, and why.
-    Pure (no torchao, works on a meta model), so the planner and tests can ask it too."""
+    `candidates`: the family's `fp8_linears(model)` (None: every Linear). Pure (no torchao,
+    works on a meta model), so the planner and tests can ask it too."""
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
@@ -149,7 +156,8 @@ def float8_policy(model: nn.Module, cfg: Float8Config) -> list[Float8Decision]:
     decisions = []
     for fqn, m in model.named_modules():
         if isinstance(m, nn.Linear):
-            kept = _kept_because(fqn, m, cfg, tied=uses[id(m.weight)] > 1)
+            candidate = candidates is None or fqn in candidates
+            kept = _kept_because(fqn, m, cfg, uses[id(m.weight)] > 1, candidate)
             decisions.append(
                 Float8Decision(fqn, m.in_features, m.out_features, kept is None, kept or converted)
             )
@@ -174,9 +182,14 @@ def describe_float8(decisions: list[Float8Decision]) -> list[str]:
 
 
 def apply_float8(
-    model: nn.Module, cfg: Float8Config, *, weights_sharded: bool = True
+    model: nn.Module,
+    cfg: Float8Config,
+    *,
+    candidates: Collection[str] | None = None,
+    weights_sharded: bool = True,
 ) -> list[Float8Decision]:
-    """Convert the layers `float8_policy` picks, in place; log and return its decisions.
+    """Convert the layers `float8_policy` picks among `candidates` (the family's
+    `fp8_linears`), in place; log and return its decisions.
 
     `weights_sharded` (dp_shard > 1): all-gather weights in float8 (tensorwise). train.py
     passes dp_shard > 1; with False there is no float8 all-gather and no scale precompute.
@@ -189,7 +202,7 @@ def apply_float8(
     else:  # rowwise all-gathers in bf16 whatever the mesh
         config = Float8LinearConfig.from_recipe_name("rowwise")
     config = replace(config, emulate=cfg.emulate)
-    decisions = float8_policy(model, cfg)
+    decisions = float8_policy(model, cfg, candidates)
     chosen = {d.fqn for d in decisions if d.converted}
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
     for line in describe_float8(decisions):

@@ -90,7 +90,11 @@ def model_shape(family: ModelFamily, args: object, fp8: Float8Config | None = No
     float8 = set()
     if fp8 is not None and fp8.enabled and fp8.recipe == "tensorwise":
         modules = dict(model.named_modules())
-        float8 = {id(modules[d.fqn].weight) for d in float8_policy(model, fp8) if d.converted}
+        float8 = {
+            id(modules[d.fqn].weight)
+            for d in float8_policy(model, fp8, family.fp8_linears(model))
+            if d.converted
+        }
 
     def unit(params: list[tuple[str, nn.Parameter]]) -> Unit:
         shapes = tuple(tuple(p.shape) for _, p in params)

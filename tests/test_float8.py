@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from configs import ConfigError
+from model import llama
 from model.llama import FLAVORS, Transformer, fsdp_units
 from parallel.float8 import (
     Float8Config,
@@ -351,3 +352,15 @@ def test_rowwise_recipe_trains_and_tracks_tensorwise(tiny_dataset: str, tmp_path
     )[0]
     assert rowwise != tensorwise  # a different scaling really ran
     torch.testing.assert_close(torch.tensor(rowwise), torch.tensor(tensorwise), rtol=1e-2, atol=0)
+
+
+def test_policy_converts_only_the_familys_candidates() -> None:
+    """A layer its family leaves out of `fp8_linears` stays in high precision, with the reason,
+    whatever its shape; the others are judged as usual."""
+    with torch.device("meta"):
+        model = Transformer(replace(FLAVORS["8B"], n_layers=1))
+    candidates = [n for n in llama.fp8_linears(model) if not n.endswith("feed_forward.w2")]
+    decisions = {d.fqn: d for d in float8_policy(model, Float8Config(enabled=True), candidates)}
+    w2 = decisions["layers.0.feed_forward.w2"]
+    assert not w2.converted and "not an FP8 candidate" in w2.reason
+    assert decisions["layers.0.feed_forward.w1"].converted
