@@ -1,0 +1,97 @@
+"""Writing a config tree as TOML (next to each run and in each checkpoint; `parse_config` reads
+it back), and the field docstrings that annotate it and `--help`."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import itertools
+import math
+import textwrap
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written on the line after each field, read from the class source."""
+    docs: dict[str, str] = {}
+    # Base classes first so a subclass can re-document an inherited field.
+    for klass in reversed(cls.__mro__):
+        if not is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):  # defined in a REPL or exec(): no docs, not an error
+            continue
+        body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+        for stmt, after in itertools.pairwise(body):  # `name: type = value` then a string
+            match stmt, after:
+                case ast.AnnAssign(target=ast.Name(id=name)), ast.Expr(ast.Constant(str(doc))):
+                    docs[name] = inspect.cleandoc(doc)
+    return docs
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Nested plain dict of a config tree; None values are left out (TOML has no null)."""
+    out: dict[str, Any] = {}
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if not f.init or value is None:
+            continue
+        out[f.name] = config_to_dict(value) if is_dataclass(value) else value
+    return out
+
+
+def config_to_toml(cfg: Any) -> str:
+    """TOML text of a config tree, each key under a `# docstring`; `parse_config` reads it back.
+
+    None values are omitted, so they read back as the field's default: exact when that default
+    is None, which is how optional fields are meant to be declared.
+    """
+    lines: list[str] = []
+    _toml_lines(cfg, "", lines)
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+# TOML basic strings must escape the quote, backslash, control characters and DEL.
+_ESCAPES = {c: f"\\u{c:04x}" for c in [*range(0x20), 0x7F]}
+_ESCAPES |= {ord('"'): '\\"', ord("\\"): "\\\\", ord("\n"): "\\n", ord("\t"): "\\t"}
+
+
+def _toml_value(value: Any) -> str:
+    if value is None:  # only for --help: the TOML writer leaves None keys out
+        return "none"
+    if isinstance(value, bool):  # before int: bool is an int subclass
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)  # shortest string that parses back to the same float
+    if isinstance(value, str):
+        return '"' + value.translate(_ESCAPES) + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} {value!r} as TOML")
+
+
+def _comment(doc: str | None) -> list[str]:
+    return [f"# {line}".rstrip() for line in doc.splitlines()] if doc else []
+
+
+def _toml_lines(cfg: Any, prefix: str, lines: list[str]) -> None:
+    docs, sections = field_docs(type(cfg)), []
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if not f.init or value is None:
+            continue
+        if is_dataclass(value):
+            sections.append((f.name, value))  # TOML needs a table's plain keys before subtables
+        else:
+            lines += [*_comment(docs.get(f.name)), f"{f.name} = {_toml_value(value)}"]
+    for name, sub in sections:
+        lines += ["", *_comment(docs.get(name)), f"[{prefix}{name}]"]
+        _toml_lines(sub, f"{prefix}{name}.", lines)
