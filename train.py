@@ -1,11 +1,11 @@
-"""Train a Llama model with FSDP2 on a (dp_replicate, dp_shard) mesh.
+"""Train a model of any family in model/ with FSDP2 on a (dp_replicate, dp_shard) mesh.
 
     torchrun --standalone --nproc-per-node=4 train.py configs/debug.toml --train.steps=100
 
 The whole run reads top to bottom in `train()`: process group -> mesh -> model on meta ->
 shard -> materialize and init -> optimizer and schedule -> data -> resume -> loop and save.
-Configuration is checked in `check_config()` on every rank before any process group exists,
-so a bad config is one error line on rank 0, never a hang.
+Configuration is checked by `launch.check.check_config()` on every rank before any process
+group exists, so a bad config is one error line on rank 0, never a hang.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -26,37 +27,20 @@ from checkpoint import (
     CheckpointConfig,
     Checkpointer,
     CheckpointError,
-    ResumePoint,
     TrainState,
     build_states,
-    check_resume,
     checkpoint_folder,
-    list_step_dirs,
     step_dir,
 )
-from checkpoint.hf import check_hf_config, load_hf_weights
-from checkpoint.state import CONFIG, read_run_config
-from configs import ConfigError, HelpRequested, config_to_dict, config_to_toml, parse_config
+from checkpoint.hf import load_hf_weights
+from configs import ConfigError, HelpRequested, config_to_toml, parse_config
 from data.loader import (
     DataConfig,
-    DatasetIndex,
     build_dataloader,
-    check_eval_split,
-    open_dataset,
 )
-from model import ModelConfig, ModelFamily, count_params, get_family
-from parallel.ac import ActivationCheckpointConfig, apply_ac
-from parallel.compile import CompileConfig, apply_compile
-from parallel.dims import LaunchEnv, ParallelConfig, resolve_dims
-from parallel.float8 import (
-    Float8Config,
-    apply_float8,
-    check_float8,
-    precompute_float8_scales,
-    unmatched_skips,
-)
-from parallel.fsdp import apply_fsdp, assign_local_shard, reshard_plan
-from parallel.metrics import (
+from launch.check import Plan, check_config, dry_run
+from launch.lifecycle import RunLock, StopRequest, exit_with_launcher, set_aside_earlier_attempt
+from launch.metrics import (
     MetricsConfig,
     MetricsLogger,
     RunSummary,
@@ -66,17 +50,17 @@ from parallel.metrics import (
     peak_tflops,
     profile_step,
 )
-from parallel.plan import format_plan, model_shape, plan_communication, plan_memory
-from parallel.runtime import (
-    RunLock,
-    StopRequest,
-    build_mesh,
-    dp_mesh,
-    dp_rank_and_size,
-    exit_with_launcher,
-    init_distributed,
-    pick_device,
+from model import ModelConfig, count_params
+from parallel.ac import ActivationCheckpointConfig, apply_ac
+from parallel.compile import CompileConfig, apply_compile
+from parallel.dims import LaunchEnv, ParallelConfig
+from parallel.float8 import (
+    Float8Config,
+    apply_float8,
+    precompute_float8_scales,
 )
+from parallel.fsdp import apply_fsdp, assign_local_shard, reshard_plan
+from parallel.runtime import build_mesh, dp_mesh, dp_rank_and_size, init_distributed, pick_device
 
 logger = logging.getLogger("train")
 
@@ -168,157 +152,6 @@ class JobConfig:
     dry_run: bool = False
     """Print the resolved config, mesh, parameter count, memory and communication plan, then
     exit."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Everything derived from the config and the launch, checked before training starts."""
-
-    family: ModelFamily
-    """The model family of model.name (model/__init__.py)."""
-    args: Any
-    """Its resolved shape."""
-    dp_replicate: int
-    dp_shard: int
-    grad_accum_steps: int
-    dataset: DatasetIndex | None
-    """None only in a dry run whose data is not there (yet)."""
-    resume: ResumePoint | None
-    resume_changes: tuple[str, ...] = ()
-    """Settings that differ from the resumed checkpoint's, applied: "optim.lr: 0.0003 -> 0.001"."""
-
-
-def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
-    """Cross-section checks. Every rank runs them on the same inputs, so every rank raises the
-    same ConfigError and exits before a collective could wait on a missing peer."""
-    family = get_family(job.model.name)
-    args = family.build_args(job.model)
-    dp_replicate, dp_shard = resolve_dims(job.parallel, env)
-    dp = dp_replicate * dp_shard
-    t = job.train
-    if t.global_batch_size % (t.micro_batch_size * dp) != 0:
-        raise ConfigError(
-            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-            f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({dp})"
-        )
-    # A dry run needs no data: it reports the plan for a cluster the data may not be on yet.
-    dataset = (
-        None if job.dry_run and not Path(job.data.path).exists() else open_dataset(job.data.path)
-    )
-    if dataset is not None:
-        check_dataset(job, args, dataset)
-    if job.parallel.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
-    on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()
-    check_float8(job.fp8, "cuda" if on_gpu else "cpu")
-    if job.checkpoint.init_from_hf:
-        if family.hf is None:
-            raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
-        check_hf_config(family.hf, args, job.checkpoint.init_from_hf)
-    with torch.device("meta"):  # no memory: for the shapes and layer names
-        meta_model = family.build_model(args)
-    # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
-    # or unwritable path) surface here too, before anything could hang on them.
-    shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
-    resume = check_resume(
-        job.checkpoint,
-        Path(job.run.output_dir) / job.run.name,
-        shapes,
-        positions_per_micro_step=t.micro_batch_size * dp,
-        is_rank0=env.rank == 0,
-        create_folder=not job.dry_run,
-    )
-    if job.fp8.enabled and (unmatched := unmatched_skips(meta_model, job.fp8.skip)):
-        raise ConfigError(
-            f"fp8.skip: {', '.join(unmatched)} matches no Linear layer of this model "
-            "(entries are module names or their dotted suffixes, e.g. 'output', 'attention.wo')"
-        )
-    changes: list[str] = []
-    if resume is not None and not resume.model_only:
-        changes = resume_changes(job, resume.path)
-    elif job.checkpoint.resume == "none" and list_step_dirs(
-        checkpoint_folder(job.checkpoint, Path(job.run.output_dir) / job.run.name)
-    ):
-        raise ConfigError(
-            f"checkpoint.resume=none but run {job.run.name!r} already has checkpoints, which "
-            "this run would prune (keep_last): choose another run.name or checkpoint.folder"
-        )
-    accum = t.global_batch_size // (t.micro_batch_size * dp)
-    return Plan(family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes))
-
-
-def check_dataset(job: JobConfig, args: Any, dataset: DatasetIndex) -> None:
-    if dataset.vocab_size > args.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size ({args.vocab_size}) is smaller than the dataset's tokenizer "
-            f"vocabulary ({dataset.vocab_size}, {job.data.path}): set model.vocab_size"
-        )
-    if job.data.seq_len > args.max_seq_len:
-        raise ConfigError(
-            f"data.seq_len ({job.data.seq_len}) exceeds the model's max_seq_len "
-            f"({args.max_seq_len})"
-        )
-    t = job.train
-    if t.eval_interval > 0 and dataset.num_tokens("val") > 0:
-        # A split too short for one window, or fewer windows than eval_batches asks for, would
-        # fail at the first evaluation (after the steps before it) or silently repeat data.
-        check_eval_split(dataset, job.data.seq_len, t.global_batch_size, t.eval_batches)
-    if job.train.eval_interval > 0 and dataset.num_tokens("val") == 0:
-        raise ConfigError(
-            f"train.eval_interval={job.train.eval_interval} but {job.data.path} has no "
-            "validation split: prepare it with --val-fraction > 0, or set train.eval_interval=0"
-        )
-
-
-# What a resume may change: everything not listed here is applied (and listed in the log).
-# These would change the model's math or the data stream under a running optimizer, so a
-# resume that changes them is an error (start a new run, or fine-tune with load_model_only).
-RESUME_FIXED = ("data.path", "data.seq_len", "data.num_workers", "train.seed")
-# Not settings of the run's math: where it lives and how it was started.
-RESUME_IGNORED = ("run.", "dry_run", "checkpoint.resume", "checkpoint.load_model_only",
-                  "checkpoint.init_from_hf")  # fmt: skip
-
-
-def resume_changes(job: JobConfig, path: Path) -> list[str]:
-    """Compare this run's config with the checkpoint's: ConfigError for a change a resume
-    cannot make, else the list of changes ("optim.lr: 0.0003 -> 0.001") it will apply."""
-    try:
-        saved, _ = read_run_config(path, {CONFIG})
-    except Exception as err:  # damaged: Checkpointer.load verifies it and falls back
-        logger.warning("cannot read the config of %s (%s): changes not compared", path, err)
-        return []
-    old, new = flatten(saved), flatten(config_to_dict(job))
-    changed = sorted(
-        k for k in old.keys() | new.keys()
-        if old.get(k) != new.get(k) and not k.startswith(RESUME_IGNORED)
-    )  # fmt: skip
-    # The model is compared as resolved (a flavor name and its explicit fields are the same
-    # model); only the attention kernel, the same math, may change.
-    old_cfg = ModelConfig(**saved.get("model", {}))
-    old_args = replace(get_family(old_cfg.name).build_args(old_cfg), attention="sdpa")
-    if old_args != replace(get_family(job.model.name).build_args(job.model), attention="sdpa"):
-        fixed = [k for k in changed if k.startswith("model.")]
-    else:
-        fixed = []
-    fixed += [k for k in changed if k in RESUME_FIXED]
-    if fixed:
-        what = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed)
-        raise ConfigError(
-            f"resuming {path} with a changed {what}: a resume cannot change the model or the "
-            "data stream (see the checkpoint's config in its run folder); start a new run.name, "
-            "or use checkpoint.load_model_only=true to start over from its weights"
-        )
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if not k.startswith("model.")]
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out |= flatten(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -555,7 +388,8 @@ def _train(
             eta = (time.perf_counter() - started) / len(losses) * (t.steps - step)
             metrics.log(step, scalars | meter.summary() | memory_stats(device), eta_s=eta)
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
-            val_loss = evaluate(model, job, plan, dp_rank, dp_size, device)
+            val = build_loader(job, plan, "val", dp_rank, dp_size)
+            val_loss = evaluate(model, val, t.eval_batches * plan.grad_accum_steps, device)
             metrics.log(step, {"loss/val": val_loss})
             timer.lap()  # evaluation time is not training throughput
         # After the optimizer step, so the checkpoint of step N holds N updates. A stop
@@ -608,17 +442,13 @@ def build_loader(job: JobConfig, plan: Plan, split: str, dp_rank: int, dp_size: 
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module,
-    job: JobConfig,
-    plan: Plan,
-    dp_rank: int,
-    dp_size: int,
-    device: torch.device,
+    model: torch.nn.Module, loader: Iterable, micro_batches: int, device: torch.device
 ) -> float:
-    """Mean loss over the first eval_batches global batches of the validation split."""
+    """Mean loss per target token over the first `micro_batches` of a validation loader, over
+    all data-parallel ranks."""
     totals = torch.zeros(2, device=device)
-    batches = iter(build_loader(job, plan, "val", dp_rank, dp_size))
-    for _ in range(job.train.eval_batches * plan.grad_accum_steps):
+    batches = iter(loader)
+    for _ in range(micro_batches):
         inputs, targets = (x.to(device) for x in next(batches))
         totals[0] += summed_loss(model, inputs, targets)
         totals[1] += (targets != -100).sum()
@@ -641,60 +471,6 @@ def log_orientation(job: JobConfig, plan: Plan, run_dir: Path, ckpt_folder: Path
                     job.train.steps)  # fmt: skip
     for change in plan.resume_changes:
         logger.info("changed since the checkpoint, applied: %s", change)
-
-
-def set_aside_earlier_attempt(run_dir: Path) -> None:
-    """A fresh start in a run folder that an earlier attempt left without a checkpoint: move
-    that attempt's config.toml and TensorBoard logs to previous/<time>/, so its curves do not
-    overlap the new run's and nothing is overwritten. Said in the log, never silent."""
-    leftovers = [p for p in (run_dir / "config.toml", run_dir / "tensorboard") if p.exists()]
-    if not leftovers:
-        return
-    dest = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
-    dest.mkdir(parents=True)
-    for path in leftovers:
-        path.rename(dest / path.name)
-    logger.warning(
-        "run folder %s has no checkpoint to resume: starting at step 0; the earlier attempt's "
-        "%s moved to %s", run_dir, " and ".join(p.name for p in leftovers), dest,
-    )  # fmt: skip
-
-
-def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
-    shape = model_shape(plan.family, plan.args, job.fp8)
-    mem = plan_memory(
-        shape,
-        plan.dp_shard,
-        job.train.micro_batch_size,
-        job.data.seq_len,
-        job.parallel.param_dtype,
-        job.ac.mode,
-        job.ac.every,
-        job.parallel.reshard_after_forward,
-        job.parallel.cpu_offload,
-    )
-    comm = plan_communication(
-        shape,
-        plan.dp_replicate,
-        plan.dp_shard,
-        job.parallel.param_dtype,
-        job.parallel.reduce_dtype,
-        reshard_after_forward=job.parallel.reshard_after_forward,
-        grad_accum_steps=plan.grad_accum_steps,
-        cpu_offload=job.parallel.cpu_offload,
-    )
-    print(config_to_toml(job))
-    print(
-        f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard} "
-        f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
-    )
-    print(f"# parameters: {shape.numel():,}")
-    if plan.dataset is None:
-        print(f"# data: {job.data.path} not found (a dry run does not need it; training does)")
-    if plan.resume is not None:
-        print(f"# resume: {plan.resume.path} (step {plan.resume.step})")
-    mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
-    print("\n".join(f"# {line}" for line in format_plan({mesh: (mem, comm)})))
 
 
 def setup_logging(rank: int) -> None:

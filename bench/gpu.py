@@ -106,7 +106,7 @@ def parse_steps(log: str, warmup: int, until: int | None = None) -> dict[str, li
 def bf16_peak() -> float | None:
     import torch
 
-    from parallel.metrics import peak_tflops
+    from launch.metrics import peak_tflops
 
     if not torch.cuda.is_available():
         return None

@@ -1,13 +1,17 @@
-"""Check a launch before any rank starts: this node's network interface and the config.
+"""Everything checked before the first collective: the config against the launch, the data,
+the checkpoint to resume and what a resume may change; and the same checks once per job, before
+any rank starts.
 
     python -m launch.check --world-size 16 --nnodes 2 configs/llama3_8b.toml --train.steps=10
 
-Every launch script runs this before torchrun (hsdp.sbatch: once, in the batch shell, before
-srun). A deterministic failure (a config error, missing data, a mesh that does not divide the
-world, a run folder in use, a *_SOCKET_IFNAME that names no interface here) then ends the job
-with one line and exit status 2, instead of every rank failing the same way, torchrun printing
-its ChildFailedError and restarting them MAX_RESTARTS times. The arguments after the launch
-options are train.py's, in any order.
+Every rank runs `check_config` on the same inputs before its process group exists, so every
+rank raises the same ConfigError and none can wait on a missing peer. Every launch script also
+runs this module before torchrun (hsdp.sbatch: once, in the batch shell, before srun). A
+deterministic failure (a config error, missing data, a mesh that does not divide the world, a
+run folder in use, a *_SOCKET_IFNAME that names no interface here) then ends the job with one
+line and exit status 2, instead of every rank failing the same way, torchrun printing its
+ChildFailedError and restarting them MAX_RESTARTS times. The arguments after the launch options
+are train.py's, in any order.
 """
 
 from __future__ import annotations
@@ -16,8 +20,219 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from checkpoint import ResumePoint, check_resume, checkpoint_folder, list_step_dirs
+from checkpoint.hf import check_hf_config
+from checkpoint.state import CONFIG, read_run_config
+from configs import ConfigError, config_to_dict, config_to_toml
+from data.loader import DatasetIndex, check_eval_split, open_dataset
+from model import ModelConfig, ModelFamily, get_family
+from parallel.dims import LaunchEnv, resolve_dims
+from parallel.float8 import check_float8, unmatched_skips
+from parallel.plan import format_plan, model_shape, plan_communication, plan_memory
+
+if TYPE_CHECKING:
+    from train import JobConfig
 
 logger = logging.getLogger("launch.check")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything derived from the config and the launch, checked before training starts."""
+
+    family: ModelFamily
+    """The model family of model.name (model/__init__.py)."""
+    args: Any
+    """Its resolved shape."""
+    dp_replicate: int
+    dp_shard: int
+    grad_accum_steps: int
+    dataset: DatasetIndex | None
+    """None only in a dry run whose data is not there (yet)."""
+    resume: ResumePoint | None
+    resume_changes: tuple[str, ...] = ()
+    """Settings that differ from the resumed checkpoint's, applied: "optim.lr: 0.0003 -> 0.001"."""
+
+
+def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
+    """Cross-section checks. Every rank runs them on the same inputs, so every rank raises the
+    same ConfigError and exits before a collective could wait on a missing peer."""
+    family = get_family(job.model.name)
+    args = family.build_args(job.model)
+    dp_replicate, dp_shard = resolve_dims(job.parallel, env)
+    dp = dp_replicate * dp_shard
+    t = job.train
+    if t.global_batch_size % (t.micro_batch_size * dp) != 0:
+        raise ConfigError(
+            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({dp})"
+        )
+    # A dry run needs no data: it reports the plan for a cluster the data may not be on yet.
+    dataset = (
+        None if job.dry_run and not Path(job.data.path).exists() else open_dataset(job.data.path)
+    )
+    if dataset is not None:
+        check_dataset(job, args, dataset)
+    if job.parallel.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
+    on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()
+    check_float8(job.fp8, "cuda" if on_gpu else "cpu")
+    if job.checkpoint.init_from_hf:
+        if family.hf is None:
+            raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
+        check_hf_config(family.hf, args, job.checkpoint.init_from_hf)
+    with torch.device("meta"):  # no memory: for the shapes and layer names
+        meta_model = family.build_model(args)
+    # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
+    # or unwritable path) surface here too, before anything could hang on them.
+    shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
+    resume = check_resume(
+        job.checkpoint,
+        Path(job.run.output_dir) / job.run.name,
+        shapes,
+        positions_per_micro_step=t.micro_batch_size * dp,
+        is_rank0=env.rank == 0,
+        create_folder=not job.dry_run,
+    )
+    if job.fp8.enabled and (unmatched := unmatched_skips(meta_model, job.fp8.skip)):
+        raise ConfigError(
+            f"fp8.skip: {', '.join(unmatched)} matches no Linear layer of this model "
+            "(entries are module names or their dotted suffixes, e.g. 'output', 'attention.wo')"
+        )
+    changes: list[str] = []
+    if resume is not None and not resume.model_only:
+        changes = resume_changes(job, resume.path)
+    elif job.checkpoint.resume == "none" and list_step_dirs(
+        checkpoint_folder(job.checkpoint, Path(job.run.output_dir) / job.run.name)
+    ):
+        raise ConfigError(
+            f"checkpoint.resume=none but run {job.run.name!r} already has checkpoints, which "
+            "this run would prune (keep_last): choose another run.name or checkpoint.folder"
+        )
+    accum = t.global_batch_size // (t.micro_batch_size * dp)
+    return Plan(family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes))
+
+
+def check_dataset(job: JobConfig, args: Any, dataset: DatasetIndex) -> None:
+    if dataset.vocab_size > args.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({args.vocab_size}) is smaller than the dataset's tokenizer "
+            f"vocabulary ({dataset.vocab_size}, {job.data.path}): set model.vocab_size"
+        )
+    if job.data.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len ({job.data.seq_len}) exceeds the model's max_seq_len "
+            f"({args.max_seq_len})"
+        )
+    t = job.train
+    if t.eval_interval > 0 and dataset.num_tokens("val") > 0:
+        # A split too short for one window, or fewer windows than eval_batches asks for, would
+        # fail at the first evaluation (after the steps before it) or silently repeat data.
+        check_eval_split(dataset, job.data.seq_len, t.global_batch_size, t.eval_batches)
+    if job.train.eval_interval > 0 and dataset.num_tokens("val") == 0:
+        raise ConfigError(
+            f"train.eval_interval={job.train.eval_interval} but {job.data.path} has no "
+            "validation split: prepare it with --val-fraction > 0, or set train.eval_interval=0"
+        )
+
+
+# What a resume may change: everything not listed here is applied (and listed in the log).
+# These would change the model's math or the data stream under a running optimizer, so a
+# resume that changes them is an error (start a new run, or fine-tune with load_model_only).
+RESUME_FIXED = ("data.path", "data.seq_len", "data.num_workers", "train.seed")
+# Not settings of the run's math: where it lives and how it was started.
+RESUME_IGNORED = ("run.", "dry_run", "checkpoint.resume", "checkpoint.load_model_only",
+                  "checkpoint.init_from_hf")  # fmt: skip
+
+
+def resume_changes(job: JobConfig, path: Path) -> list[str]:
+    """Compare this run's config with the checkpoint's: ConfigError for a change a resume
+    cannot make, else the list of changes ("optim.lr: 0.0003 -> 0.001") it will apply."""
+    try:
+        saved, _ = read_run_config(path, {CONFIG})
+    except Exception as err:  # damaged: Checkpointer.load verifies it and falls back
+        logger.warning("cannot read the config of %s (%s): changes not compared", path, err)
+        return []
+    old, new = flatten(saved), flatten(config_to_dict(job))
+    changed = sorted(
+        k for k in old.keys() | new.keys()
+        if old.get(k) != new.get(k) and not k.startswith(RESUME_IGNORED)
+    )  # fmt: skip
+    # The model is compared as resolved (a flavor name and its explicit fields are the same
+    # model); only the attention kernel, the same math, may change.
+    old_cfg = ModelConfig(**saved.get("model", {}))
+    old_args = replace(get_family(old_cfg.name).build_args(old_cfg), attention="sdpa")
+    if old_args != replace(get_family(job.model.name).build_args(job.model), attention="sdpa"):
+        fixed = [k for k in changed if k.startswith("model.")]
+    else:
+        fixed = []
+    fixed += [k for k in changed if k in RESUME_FIXED]
+    if fixed:
+        what = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed)
+        raise ConfigError(
+            f"resuming {path} with a changed {what}: a resume cannot change the model or the "
+            "data stream (see the checkpoint's config in its run folder); start a new run.name, "
+            "or use checkpoint.load_model_only=true to start over from its weights"
+        )
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if not k.startswith("model.")]
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
+    """`train.py --dry-run`: the resolved config and the run's memory and communication plan,
+    printed; nothing is trained and no data is needed."""
+    shape = model_shape(plan.family, plan.args, job.fp8)
+    mem = plan_memory(
+        shape,
+        plan.dp_shard,
+        job.train.micro_batch_size,
+        job.data.seq_len,
+        job.parallel.param_dtype,
+        job.ac.mode,
+        job.ac.every,
+        job.parallel.reshard_after_forward,
+        job.parallel.cpu_offload,
+    )
+    comm = plan_communication(
+        shape,
+        plan.dp_replicate,
+        plan.dp_shard,
+        job.parallel.param_dtype,
+        job.parallel.reduce_dtype,
+        reshard_after_forward=job.parallel.reshard_after_forward,
+        grad_accum_steps=plan.grad_accum_steps,
+        cpu_offload=job.parallel.cpu_offload,
+    )
+    print(config_to_toml(job))
+    print(
+        f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard} "
+        f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
+    )
+    print(f"# parameters: {shape.numel():,}")
+    if plan.dataset is None:
+        print(f"# data: {job.data.path} not found (a dry run does not need it; training does)")
+    if plan.resume is not None:
+        print(f"# resume: {plan.resume.path} (step {plan.resume.step})")
+    mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
+    print("\n".join(f"# {line}" for line in format_plan({mesh: (mem, comm)})))
+
+
+# ---- python -m launch.check ------------------------------------------------------------------
 
 
 def check_network(environ: dict[str, str], nodes: int) -> str | None:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import train
 from checkpoint import COMPLETE
 from checkpoint.integrity import ChecksummingWriter, check_files, read_manifest, verify_files
+from launch.check import check_config
 from parallel.dims import LaunchEnv
 from tests.distributed import run_distributed
 from tests.test_cli import run_cli
@@ -170,7 +171,7 @@ def test_kill_during_save_resumes_from_previous_checkpoint(
     assert (ckpt(out, name, 2) / COMPLETE).is_file()
 
     with caplog.at_level(logging.WARNING):
-        plan = train.check_config(parse(args), LaunchEnv(0, 0, 2, 2, 1))
+        plan = check_config(parse(args), LaunchEnv(0, 0, 2, 2, 1))
     assert plan.resume is not None and plan.resume.path == ckpt(out, name, 2)
     assert any(str(partial) in r.getMessage() for r in caplog.records), caplog.text
     resumed = run_distributed(train_losses, 2, args)[0]
@@ -222,7 +223,7 @@ def test_keep_last_prunes_only_older_complete_checkpoints(
     (folder / "step-5").mkdir()  # an older partial leftover
 
     with caplog.at_level(logging.WARNING):
-        plan = train.check_config(parse(args), LaunchEnv(0, 0, 1, 1, 1))
+        plan = check_config(parse(args), LaunchEnv(0, 0, 1, 1, 1))
     assert plan.resume is not None and plan.resume.path == folder / "step-4"
     assert "step-6" in caplog.text and "step-5" in caplog.text
     losses = run_distributed(train_losses, 1, [*args, "--train.steps=8"])[0]

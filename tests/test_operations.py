@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel.runtime import RunLock
+from launch.lifecycle import RunLock
 from tests.test_train import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +153,7 @@ def test_second_trainer_on_a_run_folder_in_use_gets_one_line(
 def test_lock_of_a_dead_holder_is_stale(tmp_path: Path) -> None:
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time; from pathlib import Path; from parallel.runtime import RunLock; "
+         "import sys, time; from pathlib import Path; from launch.lifecycle import RunLock; "
          "lock = RunLock(Path(sys.argv[1])); assert lock.acquire() is None; "
          "print('held', flush=True); time.sleep(60)", str(tmp_path)],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,

@@ -33,8 +33,9 @@ GOLDEN = Path(__file__).parent / "golden" / "debug_losses.json"
 def train_losses(argv: list[str]) -> list[float]:
     """Parse, check and train in this process (a rank spawned by run_distributed)."""
     from configs import parse_config
+    from launch.check import check_config
     from parallel.dims import LaunchEnv
-    from train import JobConfig, check_config, train
+    from train import JobConfig, train
 
     env = LaunchEnv.from_env()
     job = parse_config(JobConfig, argv)
