@@ -259,8 +259,11 @@ def _train(
     if job.fp8.enabled:  # before FSDP, so it shards the float8-aware weights; logs its choices
         candidates = plan.family.fp8_linears(model)
         apply_float8(model, job.fp8, candidates=candidates, weights_sharded=plan.dp_shard > 1)
-    apply_ac(model, job.ac)  # before compile, so the compiled block includes its recompute
-    apply_compile(model, job.compile)  # before FSDP, so its collectives stay outside compiled code
+    # AC before compile, so the compiled block includes its recompute; compile before FSDP, so
+    # its collectives stay outside compiled code. Each asks the family for the blocks anew: the
+    # step before may have wrapped them.
+    apply_ac(model, plan.family.fsdp_units(model), job.ac)
+    apply_compile(model, plan.family.fsdp_units(model), job.compile)
     apply_fsdp(model, plan.family.fsdp_units(model), dp_mesh(mesh), job.parallel)
     model.to_empty(device=device)
     if job.checkpoint.init_from_hf and plan.resume is None:

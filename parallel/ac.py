@@ -1,6 +1,7 @@
 """Activation checkpointing (AC): trade recomputation in backward for activation memory.
 
-Each transformer block is wrapped in place in `model.layers`, so parameter names only gain a
+Each transformer block (the family's `fsdp_units`) is wrapped in place, so parameter names only
+gain a
 `_checkpoint_wrapped_module.` segment: `torch.distributed.checkpoint.state_dict` and
 `model.canonical_name` drop it, so checkpoints and initial weights are the same with AC
 on or off.
@@ -35,6 +36,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from configs import ConfigError
+from parallel import replace_submodule
 
 
 @dataclass
@@ -69,8 +71,11 @@ def _op_policy(saved: set[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) ->
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> list[str]:
-    """Wrap blocks of `model.layers` (an nn.ModuleDict) in place; returns the wrapped keys.
+def apply_ac(
+    model: nn.Module, blocks: list[nn.Module], cfg: ActivationCheckpointConfig
+) -> list[int]:
+    """Wrap `blocks` (the family's `fsdp_units(model)`) in place inside `model`; returns the
+    indices of the wrapped ones.
 
     Call it before `apply_compile` (compile traces the checkpointed block, recompute included)
     and before `apply_fsdp` (FSDP's hooks then sit on the wrapper, outside the recomputed
@@ -79,7 +84,7 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> list[str]:
     if cfg.mode == "none":
         return []
     wrapped = []
-    for i, (key, block) in enumerate(list(model.layers.items())):
+    for i, block in enumerate(blocks):
         if cfg.mode == "selective" and i % cfg.every != 0:
             continue
         kwargs = {}
@@ -88,6 +93,7 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> list[str]:
             kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, policy)
         # preserve_rng_state=False: the blocks have no dropout, so the recompute needs no RNG
         # replay (saving and restoring the CUDA RNG state around every block costs time).
-        model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
-        wrapped.append(key)
+        wrapper = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+        replace_submodule(model, block, wrapper)
+        wrapped.append(i)
     return wrapped

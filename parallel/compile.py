@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from parallel import replace_submodule
+
 
 @dataclass
 class CompileConfig:
@@ -24,8 +26,9 @@ class CompileConfig:
     """Fail on a graph break instead of silently running part of a block eagerly."""
 
 
-def apply_compile(model: nn.Module, cfg: CompileConfig) -> None:
-    """Replace each entry of `model.layers` (an nn.ModuleDict) by its compiled wrapper.
+def apply_compile(model: nn.Module, blocks: list[nn.Module], cfg: CompileConfig) -> None:
+    """Replace each of `blocks` (the family's `fsdp_units(model)`, after `apply_ac`: the
+    checkpoint wrappers) inside `model` by its compiled wrapper.
 
     Parameter names gain an `_orig_mod.` segment, which DCP's `get_model_state_dict` and
     `model.canonical_name` drop: checkpoints stay interchangeable with eager runs.
@@ -34,5 +37,5 @@ def apply_compile(model: nn.Module, cfg: CompileConfig) -> None:
     """
     if not cfg.enabled:
         return
-    for key, block in list(model.layers.items()):
-        model.layers[key] = torch.compile(block, fullgraph=cfg.fullgraph)
+    for block in blocks:
+        replace_submodule(model, block, torch.compile(block, fullgraph=cfg.fullgraph))

@@ -29,8 +29,8 @@ MODES = {
 def build(ac: ActivationCheckpointConfig, compile_blocks: bool = False) -> Transformer:
     torch.manual_seed(0)
     model = Transformer(ARGS)
-    apply_ac(model, ac)
-    apply_compile(model, CompileConfig(enabled=compile_blocks))
+    apply_ac(model, llama.fsdp_units(model), ac)
+    apply_compile(model, llama.fsdp_units(model), CompileConfig(enabled=compile_blocks))
     model.init_weights(seed=0, rope_len=32)
     return model
 
@@ -145,3 +145,33 @@ def test_compiled_blocks_match_eager(tiny_dataset: str, tmp_path: Path) -> None:
         tiny_dataset, tmp_path, 1, 1, FP32 + steps + ["--compile.enabled=true", "--ac.mode=full"]
     )
     assert_close(compiled, eager, rtol=1e-4)
+
+
+def test_ac_and_compile_find_blocks_through_the_contract_not_by_attribute() -> None:
+    """Blocks in a ModuleList under another name (not llama's `layers` ModuleDict): AC wraps
+    and compile replaces exactly the blocks it is given, and the model computes the same."""
+
+    class Toy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = torch.relu(block(x))
+            return self.head(x)
+
+    toy = Toy()
+    x = torch.randn(4, 8)
+    expected = toy(x)
+    apply_ac(toy, list(toy.blocks), ActivationCheckpointConfig(mode="selective", every=2))
+    assert [type(b).__name__ for b in toy.blocks] == [
+        "CheckpointWrapper",
+        "Linear",
+        "CheckpointWrapper",
+    ]
+    apply_compile(toy, list(toy.blocks), CompileConfig(enabled=True))
+    assert all(type(b).__name__ == "OptimizedModule" for b in toy.blocks)
+    assert type(toy.head).__name__ == "Linear"
+    torch.testing.assert_close(toy(x), expected)
