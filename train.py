@@ -14,7 +14,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -52,7 +52,7 @@ from launch.metrics import (
 )
 from model import ModelConfig, count_params
 from parallel.ac import ActivationCheckpointConfig, apply_ac
-from parallel.compile import CompileConfig, apply_compile
+from parallel.compile import CompileConfig, apply_compile, compile_loss
 from parallel.dims import LaunchEnv, ParallelConfig
 from parallel.float8 import (
     Float8Config,
@@ -202,12 +202,19 @@ class NonFiniteError(RuntimeError):
     pass
 
 
-def summed_loss(
-    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
-) -> torch.Tensor:
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed (not averaged) cross-entropy, in float32 for a stable log-softmax."""
-    logits = model(inputs)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
+def summed_loss(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
+) -> torch.Tensor:
+    """The model's summed loss on one micro-batch (`loss_fn`: possibly the compiled one)."""
+    return loss_fn(model(inputs), targets)
 
 
 def train(
@@ -264,6 +271,7 @@ def _train(
     # step before may have wrapped them.
     apply_ac(model, plan.family.fsdp_units(model), job.ac)
     apply_compile(model, plan.family.fsdp_units(model), job.compile)
+    loss_fn = compile_loss(cross_entropy_sum, job.compile)
     apply_fsdp(model, plan.family.fsdp_units(model), dp_mesh(mesh), job.parallel)
     model.to_empty(device=device)
     if job.checkpoint.init_from_hf and plan.resume is None:
@@ -344,7 +352,7 @@ def _train(
                     # Every block is still gathered at the end of forward anyway: keeping them
                     # through backward adds nothing to the peak.
                     model.set_reshard_after_backward(last)
-                loss = summed_loss(model, inputs, targets) / global_tokens
+                loss = summed_loss(model, inputs, targets, loss_fn) / global_tokens
                 # FSDP averages gradients over the dp ranks; our loss is already a global mean,
                 # so scale by dp_size to turn that average into the sum we want.
                 (loss * dp_size).backward()
@@ -392,7 +400,8 @@ def _train(
             metrics.log(step, scalars | meter.summary() | memory_stats(device), eta_s=eta)
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
             val = build_loader(job, plan, "val", dp_rank, dp_size)
-            val_loss = evaluate(model, val, t.eval_batches * plan.grad_accum_steps, device)
+            n_val = t.eval_batches * plan.grad_accum_steps
+            val_loss = evaluate(model, val, n_val, device, loss_fn)
             metrics.log(step, {"loss/val": val_loss})
             timer.lap()  # evaluation time is not training throughput
         # After the optimizer step, so the checkpoint of step N holds N updates. A stop
@@ -445,7 +454,11 @@ def build_loader(job: JobConfig, plan: Plan, split: str, dp_rank: int, dp_size: 
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, loader: Iterable, micro_batches: int, device: torch.device
+    model: torch.nn.Module,
+    loader: Iterable,
+    micro_batches: int,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
 ) -> float:
     """Mean loss per target token over the first `micro_batches` of a validation loader, over
     all data-parallel ranks."""
@@ -453,7 +466,7 @@ def evaluate(
     batches = iter(loader)
     for _ in range(micro_batches):
         inputs, targets = (x.to(device) for x in next(batches))
-        totals[0] += summed_loss(model, inputs, targets)
+        totals[0] += summed_loss(model, inputs, targets, loss_fn)
         totals[1] += (targets != -100).sum()
     dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()

@@ -9,6 +9,7 @@ and builds C++ (a compiler must be installed); on GPU, Triton kernels.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,18 @@ class CompileConfig:
     while it compiles."""
     fullgraph: bool = True
     """Fail on a graph break instead of silently running part of a block eagerly."""
+    loss: bool = True
+    """With compile.enabled, also compile the loss: the float32 upcast, log-softmax and NLL fuse
+    into kernels that read the compute-dtype logits, so no float32 copy of the (tokens x vocab)
+    logits and of their gradient is ever stored (see bench/loss.py)."""
+
+
+def compile_loss(loss_fn: Callable[..., torch.Tensor], cfg: CompileConfig) -> Callable:
+    """`loss_fn` compiled (compile.enabled and compile.loss), else as is. The loss sits outside
+    every FSDP unit's hooks (it runs on the model's output), so it has no collective to trace."""
+    if not (cfg.enabled and cfg.loss):
+        return loss_fn
+    return torch.compile(loss_fn, fullgraph=True)
 
 
 def apply_compile(model: nn.Module, blocks: list[nn.Module], cfg: CompileConfig) -> None:

@@ -187,6 +187,7 @@ def plan_memory(
     ac_every: int = 1,
     reshard_after_forward: Reshard = "default",
     cpu_offload: bool = False,
+    compiled_loss: bool = False,
 ) -> dict[str, float]:
     """Bytes per rank: the sharded fp32 training state, gathered parameters and activations.
 
@@ -210,8 +211,10 @@ def plan_memory(
         "optimizer": 8 * shard + 4 * n_tensors,
         "gathered_params": (root + gathered_blocks * block) * pbytes,
         "activations": activation_bytes(shape, tokens, param_dtype, ac_mode, ac_every),
-        # Logits in compute dtype plus their float32 copy and its gradient for the loss.
-        "logits": tokens * shape.vocab_size * (pbytes + 8),
+        # Logits in compute dtype and, at the loss's peak, their gradient: in compute dtype when
+        # the loss is compiled (compile.loss); eager adds a float32 copy, the float32
+        # log-softmax kept for backward and a float32 gradient (measured: bench/loss.py).
+        "logits": tokens * shape.vocab_size * (2 * pbytes if compiled_loss else pbytes + 12),
     }
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from model import llama
 from model.llama import FLAVORS, Transformer
 from parallel.ac import ActivationCheckpointConfig, apply_ac
-from parallel.compile import CompileConfig, apply_compile
+from parallel.compile import CompileConfig, apply_compile, compile_loss
 from parallel.plan import activation_bytes, model_shape
 from tests.test_train import FP32, assert_close, run
 
@@ -175,3 +175,28 @@ def test_ac_and_compile_find_blocks_through_the_contract_not_by_attribute() -> N
     assert all(type(b).__name__ == "OptimizedModule" for b in toy.blocks)
     assert type(toy.head).__name__ == "Linear"
     torch.testing.assert_close(toy(x), expected)
+
+
+def test_compiled_loss_equals_eager_in_value_and_gradient() -> None:
+    """bf16 logits: the compiled loss (upcast, log-softmax and NLL fused) gives the eager
+    loss and the same gradient, in the logits' dtype."""
+    from train import cross_entropy_sum
+
+    compiled = compile_loss(cross_entropy_sum, CompileConfig(enabled=True))
+    assert compiled is not cross_entropy_sum
+    assert compile_loss(cross_entropy_sum, CompileConfig(enabled=True, loss=False)) is (
+        cross_entropy_sum
+    )
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 16, 300, generator=gen).to(torch.bfloat16)
+    targets = torch.randint(0, 300, (2, 16), generator=gen)
+    results = []
+    for fn in (cross_entropy_sum, compiled):
+        x = logits.clone().requires_grad_()
+        loss = fn(x, targets)
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    (eager, eager_grad), (fused, fused_grad) = results
+    assert fused.dtype == torch.float32 and fused_grad.dtype == torch.bfloat16
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=0)
+    torch.testing.assert_close(fused_grad.float(), eager_grad.float(), rtol=0, atol=2e-3)
