@@ -61,6 +61,7 @@ from parallel.float8 import (
 )
 from parallel.fsdp import apply_fsdp, assign_local_shard, reshard_plan
 from parallel.runtime import build_mesh, dp_mesh, dp_rank_and_size, init_distributed, pick_device
+from parallel.tp import apply_tp
 
 logger = logging.getLogger("train")
 
@@ -245,7 +246,7 @@ def _train(
     t = job.train
     torch.manual_seed(t.seed)
     torch.use_deterministic_algorithms(t.deterministic)
-    mesh = build_mesh(device, plan.dp_replicate, plan.dp_shard)
+    mesh = build_mesh(device, plan.dp_replicate, plan.dp_shard, plan.tp)
     dp_rank, dp_size = dp_rank_and_size(mesh)
     is_rank0 = env.rank == 0
     run_dir = Path(job.run.output_dir) / job.run.name
@@ -266,6 +267,11 @@ def _train(
     if job.fp8.enabled:  # before FSDP, so it shards the float8-aware weights; logs its choices
         candidates = plan.family.fp8_linears(model)
         apply_float8(model, job.fp8, candidates=candidates, weights_sharded=plan.dp_shard > 1)
+    # Tensor parallel after float8 (its float8 styles need the Float8Linear layers) and before
+    # AC, compile and FSDP: they wrap or shard the TP-split modules and DTensors it leaves.
+    if plan.tp > 1:
+        tensorwise = job.fp8.enabled and job.fp8.recipe == "tensorwise"
+        apply_tp(model, plan.family, mesh["tp"], float8_tensorwise=tensorwise)
     # AC before compile, so the compiled block includes its recompute; compile before FSDP, so
     # its collectives stay outside compiled code. Each asks the family for the blocks anew: the
     # step before may have wrapped them.
@@ -354,8 +360,9 @@ def _train(
                     model.set_reshard_after_backward(last)
                 loss = summed_loss(model, inputs, targets, loss_fn) / global_tokens
                 # FSDP averages gradients over the dp ranks; our loss is already a global mean,
-                # so scale by dp_size to turn that average into the sum we want.
-                (loss * dp_size).backward()
+                # so scale by dp_size to turn that average into the sum we want. Each of the tp
+                # ranks of a dp rank counted the same targets into global_tokens: x tp undoes it.
+                (loss * dp_size * plan.tp).backward()
                 loss_sum += loss.detach()
 
             grad_norm = clip_grad_norm(model, t.max_grad_norm)

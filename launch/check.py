@@ -35,6 +35,7 @@ from model import ModelConfig, ModelFamily, get_family
 from parallel.dims import LaunchEnv, resolve_dims
 from parallel.float8 import check_float8, unmatched_skips
 from parallel.plan import format_plan, model_shape, plan_communication, plan_memory
+from parallel.tp import check_tp
 
 if TYPE_CHECKING:
     from train import JobConfig
@@ -58,6 +59,8 @@ class Plan:
     resume: ResumePoint | None
     resume_changes: tuple[str, ...] = ()
     """Settings that differ from the resumed checkpoint's, applied: "optim.lr: 0.0003 -> 0.001"."""
+    tp: int = 1
+    """Tensor-parallel degree (parallel/tp.py); the data-parallel ranks are the world / tp."""
 
 
 def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
@@ -66,6 +69,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     family = get_family(job.model.name)
     args = family.build_args(job.model)
     dp_replicate, dp_shard = resolve_dims(job.parallel, env)
+    check_tp(family, args, job.parallel.tp, job.model.name)
     dp = dp_replicate * dp_shard
     t = job.train
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:
@@ -116,7 +120,10 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
             "this run would prune (keep_last): choose another run.name or checkpoint.folder"
         )
     accum = t.global_batch_size // (t.micro_batch_size * dp)
-    return Plan(family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes))
+    return Plan(
+        family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes),
+        tp=job.parallel.tp,
+    )  # fmt: skip
 
 
 def check_dataset(job: JobConfig, args: Any, dataset: DatasetIndex) -> None:

@@ -30,7 +30,11 @@ What the trainer may assume, and nothing more:
 - **FLOPs.** `flops_per_token(model, seq_len)`: training FLOPs per token, for MFU.
 - **Hugging Face** (optional, `hf`, see `HFMapping`): parameter names, any row permutation, and
   config.json both ways; `checkpoint/export.py` and `checkpoint.init_from_hf` go through it.
-- **Tensor parallel** (optional, `tp_plan`): the family's `parallelize_module` plan.
+- **Tensor parallel** (optional, `TP_PLAN`, None = no TP): module name (`*` = any one name
+  segment, e.g. `layers.*.attention.wq`) -> a `TPStyle` below, plain data that
+  `parallel/tp.py` turns into `torch.distributed.tensor.parallel` styles. Every parameter must
+  be covered. With tp > 1 the attention sees n_heads / tp local heads, so it must size its
+  reshapes from the tensor (`view(b, s, -1, head_dim)`), never from `n_heads`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,19 @@ from torch import nn
 from configs import ConfigError
 
 AttentionImpl = Literal["sdpa", "chunked"]
+
+# What a TP_PLAN entry says about one module (parallel/tp.py implements each). Activations
+# between blocks are split along the sequence (sequence parallel), inside attention and FFN
+# along heads / hidden features.
+TPStyle = Literal[
+    "embedding",  # nn.Embedding: vocabulary rows split; output split along the sequence
+    "sequence",  # a norm over the hidden dim, run on this rank's part of the sequence
+    "gather_input",  # a module whose first input is gathered whole from sequence shards
+    "colwise",  # nn.Linear with output features split (q, k, v, w1, w3): whole heads per rank
+    "rowwise",  # nn.Linear with input features split (wo, w2): sums land as sequence shards
+    "per_head",  # a norm over head_dim of (batch, seq, heads, head_dim): this rank's heads
+    "output",  # the output projection: vocabulary split, logits gathered whole
+]
 
 
 @dataclass
@@ -205,6 +222,8 @@ class ModelFamily(Protocol):
     def flops_per_token(self, model: nn.Module, seq_len: int) -> int: ...
 
     hf: HFMapping | None
+
+    TP_PLAN: dict[str, TPStyle] | None
 
 
 # The families, by --model.name. Adding one: its module(s) in model/ and one line here.

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from configs import ConfigError
-from model import AttentionImpl, ModelConfig, canonical_name, random_init, resolve_args
+from model import AttentionImpl, ModelConfig, TPStyle, canonical_name, random_init, resolve_args
 from model.attention import chunked_causal_attention
 from model.random_init import Draw
 
@@ -194,9 +194,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallel this rank holds n_heads / tp of them (model.TPStyle).
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         # SDPA wants (batch, heads, seq, head_dim); enable_gqa broadcasts the shared kv heads
         # without materializing repeated copies.
@@ -334,6 +335,26 @@ def fsdp_units(model: Transformer) -> list[nn.Module]:
     The embeddings, final norm and output projection stay in the root unit.
     """
     return list(model.layers.values())
+
+
+# Tensor parallel (model.TPStyle, applied by parallel/tp.py): heads and FFN features split
+# inside each block, the norms' activations split along the sequence between them.
+TP_PLAN: dict[str, TPStyle] = {
+    "tok_embeddings": "embedding",
+    "layers.*.attention_norm": "sequence",
+    "layers.*.attention": "gather_input",
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "colwise",
+    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wo": "rowwise",
+    "layers.*.ffn_norm": "sequence",
+    "layers.*.feed_forward": "gather_input",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "norm": "sequence",
+    "output": "output",
+}
 
 
 def build_model(args: LlamaArgs) -> Transformer:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from configs import ConfigError
-from model import AttentionImpl, ModelConfig, canonical_name, random_init, resolve_args
+from model import AttentionImpl, ModelConfig, TPStyle, canonical_name, random_init, resolve_args
 from model.attention import chunked_causal_attention
 from model.random_init import Draw
 
@@ -143,9 +143,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallel this rank holds n_heads / tp of them (model.TPStyle).
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         # Qwen3: normalize each head of q and k over head_dim, then rotate (HF's order).
         q, k = apply_rope(self.q_norm(q), rope), apply_rope(self.k_norm(k), rope)
         # SDPA wants (batch, heads, seq, head_dim); enable_gqa broadcasts the shared kv heads
@@ -270,6 +271,29 @@ def _init_std(name: str, args: QwenArgs) -> float | None:
         layer = int(name.split(".")[1])
         return 0.02 / math.sqrt(2 * (layer + 1))
     return 0.02
+
+
+# Tensor parallel (model.TPStyle, applied by parallel/tp.py): heads and FFN features split
+# inside each block, the norms' activations split along the sequence between them.
+TP_PLAN: dict[str, TPStyle] = {
+    "tok_embeddings": "embedding",
+    "layers.*.attention_norm": "sequence",
+    "layers.*.attention": "gather_input",
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "colwise",
+    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wo": "rowwise",
+    # Qwen3: QK-norm is per head, so it runs on this rank's heads as they are.
+    "layers.*.attention.q_norm": "per_head",
+    "layers.*.attention.k_norm": "per_head",
+    "layers.*.ffn_norm": "sequence",
+    "layers.*.feed_forward": "gather_input",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "norm": "sequence",
+    "output": "output",
+}
 
 
 def build_model(args: QwenArgs) -> Qwen3:

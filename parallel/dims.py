@@ -16,13 +16,16 @@ from configs import ConfigError
 @dataclass
 class ParallelConfig:
     mesh: Literal["manual", "auto"] = "manual"
-    """'auto': HSDP with one replica per node when torchrun spans several nodes, else FSDP.
-    'manual': use dp_replicate and dp_shard as given."""
+    """'auto': HSDP with one replica per node when torchrun spans several nodes, else FSDP
+    (each over the ranks per node / tp). 'manual': use dp_replicate and dp_shard as given."""
     dp_replicate: int = 1
     """Replica groups (HSDP: usually the number of nodes). 1 = plain FSDP. -1 = the remaining
     ranks (then dp_shard must be given)."""
     dp_shard: int = -1
     """Ranks each replica is sharded over (usually GPUs per node). -1 = the remaining ranks."""
+    tp: int = 1
+    """Tensor-parallel degree (with sequence parallel), the innermost mesh dimension: must
+    divide the ranks per node, since its collectives run in every layer (fast links only)."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """'always' frees gathered parameters after forward (ZeRO-3, least memory); 'never' keeps
     them until backward (ZeRO-2 style, one all-gather fewer per block); 'default' frees them
@@ -56,6 +59,8 @@ class ParallelConfig:
                 f"parallel: dp_replicate={self.dp_replicate} and dp_shard={self.dp_shard} must "
                 "be >= 1, or -1 ('the remaining ranks') for at most one of them"
             )
+        if self.tp < 1:
+            raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
         if self.forward_prefetch < 0 or self.backward_prefetch < 0 or self.timeout_s < 1:
             raise ConfigError("parallel: prefetch depths must be >= 0 and timeout_s >= 1")
 
@@ -86,7 +91,18 @@ class LaunchEnv:
 
 
 def resolve_dims(cfg: ParallelConfig, env: LaunchEnv) -> tuple[int, int]:
-    """Return (dp_replicate, dp_shard) for this launch, or raise ConfigError."""
+    """Return (dp_replicate, dp_shard) for this launch, or raise ConfigError.
+
+    The data-parallel dims fill world_size / tp ranks; tp is checked first, against the ranks
+    of one node (tensor parallel never crosses nodes)."""
+    tp = cfg.tp
+    if env.local_world_size % tp != 0 or env.world_size % tp != 0:
+        raise ConfigError(
+            f"parallel: tp ({tp}) must divide the ranks per node ({env.local_world_size}, "
+            f"world size {env.world_size} = {env.num_nodes} node(s) x {env.local_world_size}): "
+            "tensor parallel stays inside a node"
+        )
+    world = env.world_size // tp  # data-parallel ranks
     if cfg.mesh == "auto":
         if env.local_world_size * env.num_nodes != env.world_size:
             raise ConfigError(
@@ -97,18 +113,20 @@ def resolve_dims(cfg: ParallelConfig, env: LaunchEnv) -> tuple[int, int]:
                 "parallel.mesh='manual'"
             )
         if env.num_nodes > 1:
-            return env.num_nodes, env.local_world_size
-        return 1, env.world_size
+            return env.num_nodes, env.local_world_size // tp
+        return 1, world
     rep, shard = cfg.dp_replicate, cfg.dp_shard
     if shard == -1:
-        shard = max(1, env.world_size // rep)
+        shard = max(1, world // rep)
     if rep == -1:
-        rep = max(1, env.world_size // shard)
-    if rep * shard != env.world_size:
+        rep = max(1, world // shard)
+    if rep * shard * tp != env.world_size:
+        with_tp = f" x tp ({tp})" if tp > 1 else ""
         raise ConfigError(
             f"parallel: dp_replicate ({_show(cfg.dp_replicate, rep)}) x dp_shard "
-            f"({_show(cfg.dp_shard, shard)}) = {rep * shard} does not equal the world size "
-            f"({env.world_size} ranks: {env.num_nodes} node(s) x {env.local_world_size})"
+            f"({_show(cfg.dp_shard, shard)}){with_tp} = {rep * shard * tp} does not equal "
+            f"the world size ({env.world_size} ranks: {env.num_nodes} node(s) x "
+            f"{env.local_world_size})"
         )
     return rep, shard
 

@@ -1,5 +1,5 @@
-"""Process group, device and the data-parallel DeviceMesh (a rank's life around them, signals
-and locks, is in launch/lifecycle.py)."""
+"""Process group, device and the (dp_replicate, dp_shard, tp) DeviceMesh (a rank's life around
+them, signals and locks, is in launch/lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -55,18 +55,25 @@ def launched_by_torchrun() -> bool:
     return "MASTER_ADDR" in os.environ and "RANK" in os.environ
 
 
-def build_mesh(device: torch.device, dp_replicate: int, dp_shard: int) -> DeviceMesh:
-    """A 2D mesh (dp_replicate, dp_shard). Ranks of one replica are contiguous, so with
-    torchrun's rank order a shard group lies inside a node and only the gradient all-reduce
-    crosses nodes: that is HSDP's point."""
+def build_mesh(device: torch.device, dp_replicate: int, dp_shard: int, tp: int = 1) -> DeviceMesh:
+    """A 3D mesh (dp_replicate, dp_shard, tp). tp is innermost, so with torchrun's rank order a
+    tensor-parallel group is consecutive ranks of one node (its collectives run in every layer
+    and need the fastest links); then the ranks of one replica are contiguous, so a shard group
+    lies inside a node where it can and only the gradient all-reduce crosses nodes: that is
+    HSDP's point."""
     return init_device_mesh(
-        device.type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+        device.type,
+        (dp_replicate, dp_shard, tp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
     )
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh handed to fully_shard: 1D (FSDP) unless there are replicas (HSDP)."""
-    return mesh if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+    """The mesh handed to fully_shard: 1D (FSDP) unless there are replicas (HSDP). With tensor
+    parallel it is a sub-mesh of the 3D mesh, so FSDP composes with the TP DTensors on it."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
 
 
 def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:

@@ -1,0 +1,136 @@
+"""Tensor parallel with sequence parallel: a family's TP_PLAN, turned into ParallelStyles.
+
+Inside each block (Megatron-style, as in torchtitan): the norms run on activations split along
+the sequence (Shard(1)), so their memory and work divide by tp; the attention and FFN inputs are
+all-gathered along the sequence, q/k/v and w1/w3 split their output features (each rank holds
+whole heads: n_heads / tp of them), and wo/w2 split their input features, their partial sums
+reduce-scattered back into sequence shards. Per layer that is one all-gather and one
+reduce-scatter of the (batch, seq, dim) activations in forward and again in backward: cheap
+over NVLink, slow anywhere else, which is why tp must divide the ranks per node.
+
+The plan is plain data beside the model (`TP_PLAN`: module name -> style name, see
+`model.TPStyle`); this module owns what each name means. Applied before FSDP, which then shards
+the TP DTensors over the data-parallel dims of the same mesh.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from configs import ConfigError
+from model import ModelFamily, TPStyle
+
+
+def check_tp(family: ModelFamily, args: Any, tp: int, name: str) -> None:
+    """ConfigError, before any collective, for a model that cannot be split tp ways: each
+    rank must hold whole attention heads and an equal slice of the vocabulary."""
+    if tp == 1:
+        return
+    if getattr(family, "TP_PLAN", None) is None:
+        raise ConfigError(f"parallel.tp={tp}: model {name} declares no TP_PLAN (model/)")
+    sizes = {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size}
+    if bad := [f"{k}={v}" for k, v in sizes.items() if v % tp != 0]:
+        raise ConfigError(
+            f"parallel.tp={tp} must divide n_heads, n_kv_heads and vocab_size "
+            f"(n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads}, "
+            f"vocab_size={args.vocab_size}; not: {', '.join(bad)}): set model.vocab_size to a "
+            f"multiple of {tp} (padding rows are never a target) or choose another tp"
+        )
+
+
+def _style(kind: TPStyle, module: nn.Module, float8: bool) -> ParallelStyle:
+    """The ParallelStyle of one plan entry. `float8`: the module is a torchao Float8Linear
+    with tensorwise scaling, whose styles all-gather its input in float8 (half the bytes)."""
+    if float8 and kind in ("colwise", "rowwise"):
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+        )
+
+        if kind == "colwise":
+            return Float8ColwiseParallel()
+        return Float8RowwiseParallel(output_layouts=Shard(1))
+    if kind == "colwise":  # input replicated (gathered by "gather_input"), output features split
+        return ColwiseParallel()
+    if kind == "rowwise":  # partial sums reduce-scattered into sequence shards
+        return RowwiseParallel(output_layouts=Shard(1))
+    if kind == "sequence":  # a norm over dim, on this rank's slice of the sequence
+        return SequenceParallel()
+    if kind == "per_head":  # a norm over head_dim, on this rank's heads (dim 2 of b, s, h, d)
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if kind == "gather_input":  # first input: sequence shards -> whole; the rest untouched
+        # PrepareModuleInput wants one entry per positional input (attention also takes rope).
+        rest = (None,) * (len(inspect.signature(module.forward).parameters) - 1)
+        return PrepareModuleInput(
+            input_layouts=(Shard(1), *rest),
+            desired_input_layouts=(Replicate(), *rest),
+            use_local_output=True,
+        )
+    if kind == "embedding":  # vocabulary rows split; output reduce-scattered along the sequence
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if kind == "output":  # vocabulary columns split; logits gathered whole for the loss
+        return ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    raise ValueError(f"unknown TP style {kind!r}")
+
+
+def apply_tp(
+    model: nn.Module, family: ModelFamily, tp_mesh: DeviceMesh, float8_tensorwise: bool = False
+) -> None:
+    """Parallelize `model` in place over `tp_mesh` by the family's TP_PLAN.
+
+    Every parameter must end up a DTensor on `tp_mesh` (split or replicated): a plain one
+    would get no gradient reduction over tp, and FSDP would shard it on another mesh.
+    `float8_tensorwise`: Float8Linear layers get torchao's float8 TP styles.
+    """
+    tied = _tied_names(model)
+    modules = dict(model.named_modules())
+    plan: dict[str, ParallelStyle] = {}
+    for pattern, kind in family.TP_PLAN.items():
+        # One style per concrete module: float8 or not is decided per layer.
+        names = [n for n in modules if _matches(n, pattern)]
+        if not names:
+            raise ValueError(f"TP_PLAN entry {pattern!r} matches no module")
+        for name in names:
+            is_fp8 = float8_tensorwise and type(modules[name]).__name__ == "Float8Linear"
+            plan[name] = _style(kind, modules[name], is_fp8)
+    parallelize_module(model, tp_mesh, plan)
+    for first, others in tied.items():  # the styles replaced each module's copy: share again
+        shared = model.get_parameter(first)
+        for other in others:
+            owner, _, attr = other.rpartition(".")
+            setattr(model.get_submodule(owner), attr, shared)
+    if plain := [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]:
+        raise ValueError(f"TP_PLAN leaves parameters unsplit and unreplicated: {plain}")
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """`layers.*.attention.wq` matches `layers.3.attention.wq` (`*` = one name segment)."""
+    parts, wanted = name.split("."), pattern.split(".")
+    if len(parts) != len(wanted):
+        return False
+    return all(w in ("*", p) for p, w in zip(parts, wanted, strict=True))
+
+
+def _tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """First name of each shared parameter -> its other names (tied embeddings)."""
+    seen: dict[int, str] = {}
+    tied: dict[str, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.setdefault(seen[id(param)], []).append(name)
+        else:
+            seen[id(param)] = name
+    return tied

@@ -1,0 +1,141 @@
+"""Tensor parallel (with sequence parallel) as the third mesh dimension, on real gloo ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from configs import ConfigError
+from parallel.dims import LaunchEnv, ParallelConfig, resolve_dims
+from tests.distributed import run_distributed
+from tests.test_train import FP32, assert_close, run
+
+STEPS = ["--train.steps=4", "--train.micro_batch_size=2"]
+
+
+def env(world: int, local: int | None = None, nodes: int = 1) -> LaunchEnv:
+    return LaunchEnv(0, 0, world, local or world, nodes)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "launch", "expected"),
+    [
+        (ParallelConfig(tp=2), env(4), (1, 2)),
+        (ParallelConfig(tp=2, dp_replicate=2), env(8), (2, 2)),
+        (ParallelConfig(tp=4), env(4), (1, 1)),
+        (ParallelConfig(mesh="auto", tp=2), env(8, 8, 1), (1, 4)),
+        (ParallelConfig(mesh="auto", tp=8), env(128, 8, 16), (16, 1)),
+        (ParallelConfig(mesh="auto", tp=2), env(16, 8, 2), (2, 4)),
+    ],
+)
+def test_resolve_dims_with_tp(cfg: ParallelConfig, launch: LaunchEnv, expected: tuple) -> None:
+    assert resolve_dims(cfg, launch) == expected
+
+
+def test_tp_mesh_errors_name_every_number() -> None:
+    with pytest.raises(ConfigError, match=r"tp \(3\) must divide the ranks per node \(4"):
+        resolve_dims(ParallelConfig(tp=3), env(4))
+    # tp must stay inside a node: 2 nodes x 2 ranks cannot hold tp=4.
+    with pytest.raises(ConfigError, match=r"tp \(4\) must divide the ranks per node \(2"):
+        resolve_dims(ParallelConfig(tp=4), env(4, 2, 2))
+    with pytest.raises(ConfigError, match=r"dp_replicate \(2\) x dp_shard \(4\) x tp \(2\) = 16"):
+        resolve_dims(ParallelConfig(tp=2, dp_replicate=2, dp_shard=4), env(8))
+    with pytest.raises(ConfigError, match="tp must be >= 1"):
+        ParallelConfig(tp=0)
+
+
+@pytest.mark.parametrize(
+    ("override", "bad"),
+    [("--model.n_kv_heads=1", "n_kv_heads=1"), ("--model.vocab_size=511", "vocab_size=511")],
+)
+def test_model_that_tp_cannot_split_is_a_config_error(
+    tiny_dataset: str, tmp_path: Path, override: str, bad: str
+) -> None:
+    """Checked in check_config, before any process group: one line with every number."""
+    from configs import parse_config
+    from tests.test_train import TINY
+    from train import JobConfig, check_config
+
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY]
+    job = parse_config(JobConfig, [*argv, "--parallel.tp=2", override])
+    with pytest.raises(ConfigError, match=rf"tp=2 must divide .*not: {bad}\)") as err:
+        check_config(job, env(2))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_fp32_parity_tp_and_3d_mesh(tiny_dataset: str, tmp_path: Path) -> None:
+    """1 process = tp 2 = (dp_shard 2, tp 2), losses within 1e-5 per step."""
+    single = run(tiny_dataset, tmp_path, 1, 1, FP32 + STEPS)
+    tp2 = run(tiny_dataset, tmp_path, 2, 1, FP32 + STEPS + ["--parallel.tp=2"])
+    assert_close(tp2, single, rtol=1e-5)
+    shard_tp = run(tiny_dataset, tmp_path, 4, 1, FP32 + STEPS + ["--parallel.tp=2"])
+    assert_close(shard_tp, single, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_qwen3_tp_parity_tied_embeddings_and_qk_norm(tiny_dataset: str, tmp_path: Path) -> None:
+    """qwen3 (tied embeddings, per-head QK-norm on local heads): 1 process = tp 2."""
+    qwen = [*FP32, *STEPS, "--model.name=qwen3", "--model.head_dim=16"]
+    single = run(tiny_dataset, tmp_path, 1, 1, qwen)
+    tp2 = run(tiny_dataset, tmp_path, 2, 1, [*qwen, "--parallel.tp=2"])
+    assert single[-1] < single[0]
+    assert_close(tp2, single, rtol=1e-5)
+
+
+def grads_after_one_step(dims: tuple[int, int, int], family_name: str) -> dict:
+    """Global grad norm and clipped gradients of one forward/backward of a fixed batch, on a
+    (dp_replicate, dp_shard, tp) mesh; every dp rank sees the same batch, so the reduced
+    gradients are the 1-process ones."""
+    import torch
+
+    from model import get_family
+    from parallel.dims import ParallelConfig
+    from parallel.fsdp import apply_fsdp, assign_local_shard
+    from parallel.runtime import build_mesh, dp_mesh, init_distributed
+    from parallel.tp import apply_tp
+    from train import clip_grad_norm
+
+    device = torch.device("cpu")
+    init_distributed(device, LaunchEnv.from_env(), 60)
+    family = get_family(family_name)
+    from model import ModelConfig
+
+    args = family.build_args(
+        ModelConfig(name=family_name, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128)
+    )
+    with torch.device("meta"):
+        model = family.build_model(args)
+    mesh = build_mesh(device, *dims)
+    if dims[2] > 1:
+        apply_tp(model, family, mesh["tp"])
+    apply_fsdp(
+        model, family.fsdp_units(model), dp_mesh(mesh), ParallelConfig(param_dtype="float32")
+    )
+    model.to_empty(device=device)
+    model.init_weights(seed=0, rope_len=16, assign=assign_local_shard)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+    loss.backward()
+    norm = clip_grad_norm(model, max_norm=0.1)
+    grads = {
+        n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()
+    }
+    torch.distributed.destroy_process_group()
+    return {"norm": norm.item(), "grads": grads}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_grad_norm_and_clipping_on_3d_mesh_equal_one_process(family: str) -> None:
+    """DTensor gradients on (dp_replicate 2, dp_shard 2, tp 2): the same norm as 1 process,
+    and the same clipped gradients (placements on all three dims reduce correctly)."""
+    import torch
+
+    ref = run_distributed(grads_after_one_step, 1, (1, 1, 1), family)[0]
+    got = run_distributed(grads_after_one_step, 8, (2, 2, 2), family, nodes=2)[0]
+    assert ref["norm"] > 0.1  # clipping really scaled the gradients
+    assert got["norm"] == pytest.approx(ref["norm"], rel=1e-5)
+    for name, grad in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
