@@ -270,8 +270,8 @@ def _train(
     # Tensor parallel after float8 (its float8 styles need the Float8Linear layers) and before
     # AC, compile and FSDP: they wrap or shard the TP-split modules and DTensors it leaves.
     if plan.tp > 1:
-        tensorwise = job.fp8.enabled and job.fp8.recipe == "tensorwise"
-        apply_tp(model, plan.family, mesh["tp"], float8_tensorwise=tensorwise)
+        fp8_comm = job.fp8.enabled and job.fp8.recipe == "tensorwise" and device.type == "cuda"
+        apply_tp(model, plan.family, mesh["tp"], float8_collectives=fp8_comm)
     # AC before compile, so the compiled block includes its recompute; compile before FSDP, so
     # its collectives stay outside compiled code. Each asks the family for the blocks anew: the
     # step before may have wrapped them.

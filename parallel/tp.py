@@ -87,25 +87,35 @@ def _style(kind: TPStyle, module: nn.Module, float8: bool) -> ParallelStyle:
 
 
 def apply_tp(
-    model: nn.Module, family: ModelFamily, tp_mesh: DeviceMesh, float8_tensorwise: bool = False
-) -> None:
+    model: nn.Module, family: ModelFamily, tp_mesh: DeviceMesh, float8_collectives: bool = False
+) -> dict[str, ParallelStyle]:
     """Parallelize `model` in place over `tp_mesh` by the family's TP_PLAN.
 
     Every parameter must end up a DTensor on `tp_mesh` (split or replicated): a plain one
     would get no gradient reduction over tp, and FSDP would shard it on another mesh.
-    `float8_tensorwise`: Float8Linear layers get torchao's float8 TP styles.
+    `float8_collectives` (fp8 tensorwise on NCCL): Float8Linear layers get torchao's float8 TP
+    styles, which cast the gathered input to float8 before the all-gather. gloo has no float8
+    collectives ("Invalid scalar type"), so on CPU a Float8Linear gets the plain styles: its
+    matmuls still run in float8, its activations travel in high precision. The "gather_input"
+    of attention and FFN stays in high precision: torchao's PrepareFloat8ModuleInput needs
+    every consumer to be a Float8Linear, which fp8.skip and fp8.filter do not promise.
+    Returns the applied styles by module name.
     """
+    float8_linear: type | tuple = ()
+    if float8_collectives:
+        from torchao.float8.float8_linear import Float8Linear
+
+        float8_linear = Float8Linear
     tied = _tied_names(model)
     modules = dict(model.named_modules())
     plan: dict[str, ParallelStyle] = {}
     for pattern, kind in family.TP_PLAN.items():
-        # One style per concrete module: float8 or not is decided per layer.
+        # One style per concrete module: float8 or not is decided per layer (fp8.skip, filter).
         names = [n for n in modules if _matches(n, pattern)]
         if not names:
             raise ValueError(f"TP_PLAN entry {pattern!r} matches no module")
         for name in names:
-            is_fp8 = float8_tensorwise and type(modules[name]).__name__ == "Float8Linear"
-            plan[name] = _style(kind, modules[name], is_fp8)
+            plan[name] = _style(kind, modules[name], isinstance(modules[name], float8_linear))
     parallelize_module(model, tp_mesh, plan)
     for first, others in tied.items():  # the styles replaced each module's copy: share again
         shared = model.get_parameter(first)
@@ -114,6 +124,7 @@ def apply_tp(
             setattr(model.get_submodule(owner), attr, shared)
     if plain := [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]:
         raise ValueError(f"TP_PLAN leaves parameters unsplit and unreplicated: {plain}")
+    return plan
 
 
 def _matches(name: str, pattern: str) -> bool:

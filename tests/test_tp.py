@@ -9,7 +9,7 @@ import pytest
 from configs import ConfigError
 from parallel.dims import LaunchEnv, ParallelConfig, resolve_dims
 from tests.distributed import run_distributed
-from tests.test_train import FP32, assert_close, run
+from tests.test_train import FP32, assert_close, run, train_losses
 
 STEPS = ["--train.steps=4", "--train.micro_batch_size=2"]
 
@@ -139,3 +139,71 @@ def test_grad_norm_and_clipping_on_3d_mesh_equal_one_process(family: str) -> Non
     assert got["norm"] == pytest.approx(ref["norm"], rel=1e-5)
     for name, grad in ref["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_tp2_resumes_at_tp1_and_other_dp(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Save at (dp_shard 2, tp 2), resume at 1 process and at dp_shard 2 without TP: the losses
+    continue the straight run (DCP reshards the TP DTensors; the data position carries over).
+    The exported model of the TP checkpoint equals that of a DP-only run's."""
+    import torch
+
+    from checkpoint.export import load_checkpoint_model
+
+    steps = ["--train.steps=4", "--train.micro_batch_size=2", "--checkpoint.interval=2"]
+    steps.append("--checkpoint.keep_last=0")
+    base = [*FP32, *steps]
+    straight = run(tiny_dataset, tmp_path, 4, 1, [*base, "--parallel.tp=2", "--run.name=tp"])
+    saved = tmp_path / "tp" / "checkpoints" / "step-2"
+    for world, name in [(1, "one"), (2, "dp2")]:
+        extra = [*base, f"--run.name={name}", f"--checkpoint.resume={saved}"]
+        assert_close(run(tiny_dataset, tmp_path, world, 1, extra), straight[2:], rtol=1e-5)
+    dp_only = run(tiny_dataset, tmp_path, 2, 1, [*base, "--run.name=dp"])
+    assert_close(dp_only, straight, rtol=1e-5)
+    from_tp = load_checkpoint_model(tmp_path / "tp" / "checkpoints" / "step-4").state_dict()
+    from_dp = load_checkpoint_model(tmp_path / "dp" / "checkpoints" / "step-4").state_dict()
+    assert from_tp.keys() == from_dp.keys()
+    for key, value in from_dp.items():
+        torch.testing.assert_close(from_tp[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def float8_styles_at_tp2() -> list[str]:
+    """Style class of every converted layer after float8 + apply_tp (2 ranks, tp 2)."""
+    import torch
+
+    from model import ModelConfig, get_family
+    from parallel.float8 import Float8Config, apply_float8
+    from parallel.runtime import build_mesh, init_distributed
+    from parallel.tp import apply_tp
+
+    init_distributed(torch.device("cpu"), LaunchEnv.from_env(), 60)
+    family = get_family("llama3")
+    args = family.build_args(ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2))
+    with torch.device("meta"):
+        model = family.build_model(args)
+    apply_float8(model, Float8Config(enabled=True, emulate=True, filter="none"))
+    plan = apply_tp(model, family, build_mesh(torch.device("cpu"), 1, 1, 2)["tp"], True)
+    torch.distributed.destroy_process_group()
+    return sorted({type(plan[n]).__name__ for n in plan if n.endswith(("wq", "wo", "w2"))})
+
+
+@pytest.mark.slow
+def test_fp8_tp_uses_float8_styles_and_matches_fsdp(tiny_dataset: str, tmp_path: Path) -> None:
+    """fp8 (emulated) at tp 2: with float8 collectives (NCCL) converted layers get torchao's
+    float8 TP styles; on gloo (no float8 collectives) the plain styles, and the losses match
+    FSDP on 2 ranks with the same float8 casts (tensorwise scales are global amaxes)."""
+    import torch
+
+    from tests.test_float8 import _argv
+
+    styles = run_distributed(float8_styles_at_tp2, 2)[0]
+    assert styles == ["Float8ColwiseParallel", "Float8RowwiseParallel"]
+    fp8 = ["--train.steps=4", "--fp8.enabled=true", "--fp8.emulate=true"]
+    fsdp = run_distributed(train_losses, 2, _argv(tiny_dataset, tmp_path / "a", *fp8))[0]
+    tp = run_distributed(
+        train_losses, 2, _argv(tiny_dataset, tmp_path / "b", *fp8, "--parallel.tp=2")
+    )[0]
+    assert fsdp[-1] < fsdp[0]
+    torch.testing.assert_close(torch.tensor(tp), torch.tensor(fsdp), rtol=1e-3, atol=0)
