@@ -165,8 +165,11 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1_and_other_dp(
     from_tp = load_checkpoint_model(tmp_path / "tp" / "checkpoints" / "step-4").state_dict()
     from_dp = load_checkpoint_model(tmp_path / "dp" / "checkpoints" / "step-4").state_dict()
     assert from_tp.keys() == from_dp.keys()
+    # Not bitwise: the meshes sum in different orders and Adam's m / sqrt(v) turns a 1e-7
+    # gradient difference into up to ~3e-6 on a weight whose gradient is near zero.
     for key, value in from_dp.items():
-        torch.testing.assert_close(from_tp[key], value, rtol=1e-4, atol=1e-6, msg=key)
+        where = lambda m, k=key: f"{k}: {m}"  # noqa: E731
+        torch.testing.assert_close(from_tp[key], value, rtol=1e-4, atol=1e-5, msg=where)
 
 
 def float8_styles_at_tp2() -> list[str]:
