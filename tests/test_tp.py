@@ -210,3 +210,22 @@ def test_fp8_tp_uses_float8_styles_and_matches_fsdp(tiny_dataset: str, tmp_path:
     )[0]
     assert fsdp[-1] < fsdp[0]
     torch.testing.assert_close(torch.tensor(tp), torch.tensor(fsdp), rtol=1e-3, atol=0)
+
+
+@pytest.mark.slow
+def test_fp32_parity_3d_mesh_hsdp_with_tp(tiny_dataset: str, tmp_path: Path) -> None:
+    """(dp_replicate 2, dp_shard 2, tp 2) on 8 ranks = 1 process."""
+    single = run(tiny_dataset, tmp_path, 1, 1, FP32 + STEPS)
+    three_d = run(tiny_dataset, tmp_path, 8, 2, FP32 + STEPS + ["--parallel.tp=2"])
+    assert_close(three_d, single, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_tp_with_ac_and_compile_matches_tp(tiny_dataset: str, tmp_path: Path) -> None:
+    """Full AC + compiled blocks at tp 2 give the losses of plain tp 2 (and so 1 process)."""
+    tp2 = [*FP32, "--train.steps=2", "--train.micro_batch_size=4", "--parallel.tp=2"]
+    plain = run(tiny_dataset, tmp_path, 2, 1, tp2)
+    ac = run(tiny_dataset, tmp_path, 2, 1, [*tp2, "--ac.mode=full"])
+    assert_close(ac, plain, rtol=1e-6)
+    both = run(tiny_dataset, tmp_path, 2, 1, [*tp2, "--ac.mode=full", "--compile.enabled=true"])
+    assert_close(both, plain, rtol=1e-5)
