@@ -24,6 +24,14 @@ real run within 1%):
 - Bytes sent per rank by a ring: all-gather (S-1)·shard, reduce-scatter (S-1)/S·input,
   all-reduce 2(R-1)/R·buffer. The trainer's few scalar all-reduces (token count, loss, grad
   norm) are left out.
+- Tensor parallel (tp > 1, parallel/tp.py): the weights its plan splits (every Linear and the
+  embedding) hold 1/tp per rank before FSDP shards them; norm gains are replicated. Per block
+  and micro-batch, the attention and FFN inputs are all-gathered along the sequence and their
+  outputs reduce-scattered back (2 + 2 of a (tokens, dim) tensor in forward, the same in
+  backward, and a checkpointed block's recompute 2 + 1); the embedding output, the final
+  norm's output and the logits (gathered whole for the loss) add one each. The all-reduces of
+  the replicated norm gains' gradients (dim elements each) are left out. Activations divide by
+  tp except the two gathered (tokens, dim) block inputs that the split Linears keep.
 """
 
 from __future__ import annotations
@@ -50,17 +58,25 @@ class Unit:
 
     shapes: tuple[tuple[int, ...], ...]
     float8_gathered: tuple[bool, ...]
+    tp_split: tuple[bool, ...] = ()
+    """Which parameters tensor parallel splits (the family's TP_PLAN); empty: none."""
 
     def numel(self) -> int:
         return sum(math.prod(s) for s in self.shapes)
 
-    def shard_numel(self, shard: int, fp8_only: bool | None = None) -> int:
-        """Elements of this rank's (padded) shard: FSDP2 pads dim 0 to a multiple of shard."""
+    def shard_numel(self, shard: int, fp8_only: bool | None = None, tp: int = 1) -> int:
+        """Elements of this rank's (padded) shard: FSDP2 pads dim 0 to a multiple of shard;
+        a weight tensor parallel splits holds 1/tp of them (tp divides those dims)."""
+        split = self.tp_split or (False,) * len(self.shapes)
         return sum(
-            math.ceil(s[0] / shard) * math.prod(s[1:])
-            for s, f in zip(self.shapes, self.float8_gathered, strict=True)
+            math.ceil(s[0] / shard) * math.prod(s[1:]) // (tp if t else 1)
+            for s, f, t in zip(self.shapes, self.float8_gathered, split, strict=True)
             if fp8_only is None or f == fp8_only
         )
+
+    def tp_numel(self, tp: int) -> int:
+        """Elements of the unit on one tensor-parallel rank (before FSDP)."""
+        return self.shard_numel(1, tp=tp)
 
 
 @dataclass(frozen=True)
@@ -96,9 +112,12 @@ def model_shape(family: ModelFamily, args: object, fp8: Float8Config | None = No
             if d.converted
         }
 
+    split = _tp_split_params(model, getattr(family, "TP_PLAN", None))
+
     def unit(params: list[tuple[str, nn.Parameter]]) -> Unit:
         shapes = tuple(tuple(p.shape) for _, p in params)
-        return Unit(shapes, tuple(id(p) in float8 for _, p in params))
+        return Unit(shapes, tuple(id(p) in float8 for _, p in params),
+                    tuple(id(p) in split for _, p in params))  # fmt: skip
 
     blocks = [unit(list(u.named_parameters())) for u in units]
     root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_unit]
@@ -114,6 +133,18 @@ def model_shape(family: ModelFamily, args: object, fp8: Float8Config | None = No
     )
 
 
+def _tp_split_params(model: nn.Module, tp_plan: dict[str, str] | None) -> set[int]:
+    """ids of the parameters that the TP plan splits (not the replicated norm gains)."""
+    from parallel.tp import SPLIT_STYLES, _matches
+
+    split: set[int] = set()
+    for name, module in model.named_modules():
+        for pattern, kind in (tp_plan or {}).items():
+            if kind in SPLIT_STYLES and _matches(name, pattern):
+                split |= {id(p) for p in module.parameters()}
+    return split
+
+
 def plan_communication(
     shape: ModelShape,
     dp_replicate: int,
@@ -123,8 +154,13 @@ def plan_communication(
     reshard_after_forward: Reshard = "default",
     grad_accum_steps: int = 1,
     cpu_offload: bool = False,
+    tp: int = 1,
+    tokens: int = 0,
+    ac_mode: AcMode = "none",
+    ac_every: int = 1,
 ) -> dict[str, dict[str, float]]:
-    """Bytes each rank sends per optimizer step: {mesh dim: {collective: bytes}}."""
+    """Bytes each rank sends per optimizer step: {mesh dim: {collective: bytes}}. With tp > 1,
+    `tokens` (micro-batch x seq_len) sizes the activations tensor parallel moves."""
     units = shape.units
     s, r = dp_shard, dp_replicate
     resharded = reshard_plan(len(units) - 1, reshard_after_forward, s, cpu_offload)
@@ -133,17 +169,46 @@ def plan_communication(
     gather = reduce_scatter = all_reduce = 0.0
     for u, freed in zip(units, resharded, strict=True):
         # float8-gathered weights cross as 1 byte; norms, embeddings, output in param_dtype
-        gathered = u.shard_numel(s, True) + u.shard_numel(s, False) * BYTES[param_dtype]
+        gathered = u.shard_numel(s, True, tp) + u.shard_numel(s, False, tp) * BYTES[param_dtype]
         passes = 2 if freed else 1
         if not kept_all_step:
             passes *= grad_accum_steps
         gather += passes * (s - 1) * gathered
-        grad_shard = u.shard_numel(s) * BYTES[reduce_dtype]
+        grad_shard = u.shard_numel(s, tp=tp) * BYTES[reduce_dtype]
         reduce_scatter += (s - 1) * grad_shard  # (S-1)/S of the padded full gradient
         all_reduce += 2 * (r - 1) / r * grad_shard
     return {
         "dp_shard": {"all_gather": gather, "reduce_scatter": reduce_scatter},
         "dp_replicate": {"all_reduce": all_reduce},
+        "tp": _tp_communication(
+            shape, tp, tokens, param_dtype, ac_mode, ac_every, grad_accum_steps
+        ),
+    }
+
+
+def _tp_communication(
+    shape: ModelShape,
+    tp: int,
+    tokens: int,
+    param_dtype: str,
+    ac_mode: AcMode,
+    ac_every: int,
+    micro_batches: int,
+) -> dict[str, float]:
+    """Activation bytes tensor parallel sends per rank and step (see the module docstring)."""
+    if tp == 1:
+        return {"all_gather": 0.0, "reduce_scatter": 0.0}
+    n = shape.n_layers
+    recomputed = {"full": n, "selective": math.ceil(n / ac_every)}.get(ac_mode, 0)
+    # Per block: 2 gathers + 2 reduce-scatters forward, 2 + 2 backward; a recompute redoes
+    # both gathers but only attention's reduce-scatter (torch's checkpoint stops once it has
+    # every saved tensor, before the FFN's output). The root: the embedding's reduce-scatter
+    # and the final norm's gather (and their backward twins), plus the logits' gather.
+    hidden = (tp - 1) / tp * tokens * shape.dim * BYTES[param_dtype]
+    logits = (tp - 1) / tp * tokens * shape.vocab_size * BYTES[param_dtype]
+    return {
+        "all_gather": micro_batches * ((4 * n + 2 * recomputed + 2) * hidden + logits),
+        "reduce_scatter": micro_batches * (4 * n + recomputed + 2) * hidden,
     }
 
 
@@ -154,6 +219,7 @@ def activation_bytes(
     ac_mode: AcMode = "none",
     ac_every: int = 1,
     recompute: bool = True,
+    tp: int = 1,
 ) -> float:
     """Activations kept for backward per rank, from what this model's ops save; with
     `recompute`, plus the block being recomputed in backward (the peak under AC).
@@ -162,17 +228,21 @@ def activation_bytes(
     and outputs, q/k/v, attention output, SwiGLU's three hidden tensors); a checkpointed block
     keeps its input (dim), plus one block's worth alive while it is recomputed; op-level AC keeps
     the matmul and attention outputs (~5·dim + 2·kv_dim + 2·ffn_hidden) and the block input.
-    SDPA never materializes the attention matrix.
+    SDPA never materializes the attention matrix. Tensor parallel divides all of it by tp but
+    the two block inputs gathered whole for the split Linears (2·dim).
     """
     d, kv, h = shape.dim, shape.kv_dim, shape.ffn_hidden
-    full_block = tokens * (10 * d + 4 * kv + 4 * h) * BYTES[param_dtype]
-    block_input = tokens * d * BYTES[param_dtype]
+    gathered = 2 * d * (1 - 1 / tp)
+    full_block = tokens * ((10 * d + 4 * kv + 4 * h) / tp + gathered) * BYTES[param_dtype]
+    block_input = tokens * d / tp * BYTES[param_dtype]
     n = shape.n_layers
     if ac_mode == "none":
         return n * full_block
     recomputed = full_block if recompute else 0
     if ac_mode == "op":
-        return n * tokens * (5 * d + 2 * kv + 2 * h) * BYTES[param_dtype] + recomputed
+        return n * tokens * ((5 * d + 2 * kv + 2 * h) / tp + gathered) * BYTES[param_dtype] + (
+            recomputed
+        )
     checkpointed = n if ac_mode == "full" else math.ceil(n / ac_every)
     return checkpointed * block_input + (n - checkpointed) * full_block + recomputed
 
@@ -188,18 +258,20 @@ def plan_memory(
     reshard_after_forward: Reshard = "default",
     cpu_offload: bool = False,
     compiled_loss: bool = False,
+    tp: int = 1,
 ) -> dict[str, float]:
     """Bytes per rank: the sharded fp32 training state, gathered parameters and activations.
 
     Master weights, gradients and AdamW's two moments (plus a 4-byte step per tensor) are
-    float32, sharded over dp_shard (HSDP replicas each hold their shard group's state).
+    float32, sharded over dp_shard (HSDP replicas each hold their shard group's state) and,
+    for the weights tensor parallel splits, over tp.
     """
     units = shape.units
-    shard = sum(u.shard_numel(dp_shard) for u in units)
+    shard = sum(u.shard_numel(dp_shard, tp=tp) for u in units)
     n_tensors = sum(len(u.shapes) for u in units)
     pbytes = BYTES[param_dtype]
     tokens = micro_batch * seq_len
-    root, block = units[-1].numel(), units[0].numel()
+    root, block = units[-1].tp_numel(tp), units[0].tp_numel(tp)
     # The root stays gathered all step; one block computes while the next is prefetched
     # (a block not resharded after forward stays gathered until its backward).
     n_blocks = len(units) - 1
@@ -210,11 +282,13 @@ def plan_memory(
         "grads": 4 * shard,
         "optimizer": 8 * shard + 4 * n_tensors,
         "gathered_params": (root + gathered_blocks * block) * pbytes,
-        "activations": activation_bytes(shape, tokens, param_dtype, ac_mode, ac_every),
+        "activations": activation_bytes(shape, tokens, param_dtype, ac_mode, ac_every, tp=tp),
         # Logits in compute dtype and, at the loss's peak, their gradient: in compute dtype when
         # the loss is compiled (compile.loss); eager adds a float32 copy, the float32
-        # log-softmax kept for backward and a float32 gradient (measured: bench/loss.py).
-        "logits": tokens * shape.vocab_size * (2 * pbytes if compiled_loss else pbytes + 12),
+        # log-softmax kept for backward and a float32 gradient (measured: bench/loss.py). With
+        # tp the logits are gathered whole, next to this rank's vocabulary slice.
+        "logits": tokens * shape.vocab_size * (2 * pbytes if compiled_loss else pbytes + 12)
+        + (tokens * shape.vocab_size * pbytes / tp if tp > 1 else 0),
     }
 
 
