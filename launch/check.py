@@ -215,6 +215,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         job.parallel.reshard_after_forward,
         job.parallel.cpu_offload,
         compiled_loss=job.compile.enabled and job.compile.loss,
+        tp=plan.tp,
     )
     comm = plan_communication(
         shape,
@@ -225,10 +226,16 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         reshard_after_forward=job.parallel.reshard_after_forward,
         grad_accum_steps=plan.grad_accum_steps,
         cpu_offload=job.parallel.cpu_offload,
+        tp=plan.tp,
+        tokens=job.train.micro_batch_size * job.data.seq_len,
+        ac_mode=job.ac.mode,
+        ac_every=job.ac.every,
     )
     print(config_to_toml(job))
     print(
-        f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard} "
+        f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard}"
+        + (f" x tp={plan.tp}" if plan.tp > 1 else "")
+        + " "
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
     print(f"# parameters: {shape.numel():,}")
@@ -237,6 +244,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     if plan.resume is not None:
         print(f"# resume: {plan.resume.path} (step {plan.resume.step})")
     mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
+    mesh += f" TP{plan.tp}" if plan.tp > 1 else ""
     print("\n".join(f"# {line}" for line in format_plan({mesh: (mem, comm)})))
 
 

@@ -292,10 +292,14 @@ def plan_memory(
     }
 
 
-def comm_seconds(comm: dict[str, dict[str, float]], shard_bw: float, replicate_bw: float) -> float:
-    """Communication time if nothing overlaps, bandwidths in bytes/s per GPU."""
+def comm_seconds(
+    comm: dict[str, dict[str, float]], shard_bw: float, replicate_bw: float, tp_bw: float = 1.0
+) -> float:
+    """Communication time if nothing overlaps, bandwidths in bytes/s per GPU (tp_bw: inside
+    a node, where tensor parallel always stays)."""
     shard = sum(comm["dp_shard"].values()) / shard_bw
-    return shard + sum(comm["dp_replicate"].values()) / replicate_bw
+    tp = sum(comm.get("tp", {}).values()) / tp_bw
+    return shard + sum(comm["dp_replicate"].values()) / replicate_bw + tp
 
 
 def _size(nbytes: float) -> str:
@@ -317,8 +321,10 @@ def format_plan(
         ("dp_shard", "all_gather"),
         ("dp_shard", "reduce_scatter"),
         ("dp_replicate", "all_reduce"),
+        ("tp", "all_gather"),
+        ("tp", "reduce_scatter"),
     ):
-        row = "".join(_size(comm[dim][coll]) for _, comm in columns.values())
+        row = "".join(_size(comm.get(dim, {}).get(coll, 0)) for _, comm in columns.values())
         lines.append(f"  {f'sent/step: {dim} {coll}':<33}" + row)
     return lines
 
@@ -341,27 +347,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intra-bw", type=float, default=900, help="GB/s per GPU inside a node")
     p.add_argument("--inter-bw", type=float, default=50, help="GB/s per GPU across nodes")
     p.add_argument("--gpu-mem", type=float, default=80, help="GB per GPU")
+    p.add_argument("--tp", type=int, nargs="*", default=[8], help="TP degrees to compare")
     a = p.parse_args(argv)
     family = get_family(a.family)
     args = family.build_args(ModelConfig(name=a.family, flavor=a.model))
     shape = model_shape(family, args, Float8Config(enabled=a.fp8))
     world = a.nodes * a.gpus_per_node
     meshes = {
-        f"FSDP 1x{world}": (1, world),
-        f"HSDP {a.nodes}x{a.gpus_per_node}": (a.nodes, a.gpus_per_node),
+        f"FSDP 1x{world}": (1, world, 1),
+        f"HSDP {a.nodes}x{a.gpus_per_node}": (a.nodes, a.gpus_per_node, 1),
     }
+    # Tensor parallel inside a node, FSDP over the rest (one shard group per node's tp slice
+    # spans all nodes: the model state shards over nodes x gpus / tp).
+    for tp in a.tp:
+        if tp > 1 and a.gpus_per_node % tp == 0:
+            meshes[f"FSDP 1x{world // tp} TP{tp}"] = (1, world // tp, tp)
     columns, seconds = {}, {}
-    for name, (rep, shard) in meshes.items():
+    for name, (rep, shard, tp) in meshes.items():
         mem = plan_memory(
-            shape, shard, a.batch, a.seq_len, a.param_dtype, a.ac, a.ac_every, a.reshard
+            shape, shard, a.batch, a.seq_len, a.param_dtype, a.ac, a.ac_every, a.reshard, tp=tp
         )
+        # The same global batch: tp ranks share their sequences, so tp x the accumulation.
         comm = plan_communication(
-            shape, rep, shard, a.param_dtype, a.reduce_dtype, a.reshard, a.grad_accum
-        )
+            shape, rep, shard, a.param_dtype, a.reduce_dtype, a.reshard, a.grad_accum * tp,
+            tp=tp, tokens=a.batch * a.seq_len, ac_mode=a.ac, ac_every=a.ac_every,
+        )  # fmt: skip
         columns[name] = (mem, comm)
         # A shard group within one node talks over NVLink; spanning nodes, the slow link rules.
-        shard_bw = a.intra_bw if shard <= a.gpus_per_node else a.inter_bw
-        seconds[name] = comm_seconds(comm, shard_bw * 1e9, a.inter_bw * 1e9)
+        shard_bw = a.intra_bw if shard * tp <= a.gpus_per_node else a.inter_bw
+        seconds[name] = comm_seconds(comm, shard_bw * 1e9, a.inter_bw * 1e9, a.intra_bw * 1e9)
     n_params = shape.numel()
     print(f"{a.family} {a.model} ({n_params / 1e9:.2f}B parameters) on {a.nodes} x "
           f"{a.gpus_per_node}")  # fmt: skip
@@ -377,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     if fitting:
         print(f"recommended: {min(fitting, key=seconds.__getitem__)} (the faster one that fits)")
     else:
-        print("recommended: neither fits; try --ac full, more nodes, or a smaller --batch")
+        print("recommended: none fits; try --ac full, more nodes, or a smaller --batch")
     return 0
 
 
