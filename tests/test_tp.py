@@ -58,8 +58,9 @@ def test_model_that_tp_cannot_split_is_a_config_error(
 ) -> None:
     """Checked in check_config, before any process group: one line with every number."""
     from configs import parse_config
+    from launch.check import check_config
     from tests.test_train import TINY
-    from train import JobConfig, check_config
+    from train import JobConfig
 
     argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY]
     job = parse_config(JobConfig, [*argv, "--parallel.tp=2", override])
