@@ -31,10 +31,11 @@ from checkpoint.hf import check_hf_config
 from checkpoint.state import CONFIG, read_run_config
 from configs import ConfigError, config_to_dict, config_to_toml
 from data.loader import DatasetIndex, check_eval_split, open_dataset
+from launch.plan import format_plan
 from model import ModelConfig, ModelFamily, get_family
 from parallel.dims import LaunchEnv, resolve_dims
 from parallel.float8 import check_float8, unmatched_skips
-from parallel.plan import format_plan, model_shape, plan_communication, plan_memory
+from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
 
 if TYPE_CHECKING:

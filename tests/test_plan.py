@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
+from launch.plan import main
 from model import llama
 from parallel.float8 import Float8Config
-from parallel.plan import main, model_shape, plan_communication, plan_memory
+from parallel.plan import model_shape, plan_communication, plan_memory
 from tests.distributed import run_distributed
 
 # Ring algorithms: bytes one rank sends for an input of `nbytes` on a group of `size` ranks.

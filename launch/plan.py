@@ -1,0 +1,125 @@
+"""Memory and communication per GPU for FSDP, HSDP and FSDP + TP, before renting the cluster.
+
+    python -m launch.plan --model 8B --nodes 16 --gpus-per-node 8 --seq-len 8192 --ac full
+
+Prints, for FSDP (dp_shard = all GPUs), HSDP (dp_shard = GPUs per node) and FSDP with tensor
+parallel inside each node side by side, the per-GPU memory and the bytes each GPU sends per
+optimizer step on each mesh dimension, which plan fits in `--gpu-mem` and which communicates
+faster with the given bandwidths. `train.py --dry-run` prints the same table for the configured
+run. The formulas, and how they follow this trainer, are in parallel/plan.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from model import ModelConfig, get_family
+from parallel.float8 import Float8Config
+from parallel.plan import BYTES, model_shape, plan_communication, plan_memory
+
+
+def comm_seconds(
+    comm: dict[str, dict[str, float]], shard_bw: float, replicate_bw: float, tp_bw: float = 1.0
+) -> float:
+    """Communication time if nothing overlaps, bandwidths in bytes/s per GPU (tp_bw: inside
+    a node, where tensor parallel always stays)."""
+    shard = sum(comm["dp_shard"].values()) / shard_bw
+    tp = sum(comm.get("tp", {}).values()) / tp_bw
+    return shard + sum(comm["dp_replicate"].values()) / replicate_bw + tp
+
+
+def _size(nbytes: float) -> str:
+    unit, scale = ("GiB", 2**30) if nbytes >= 2**30 else ("MiB", 2**20)
+    return f"{nbytes / scale:>18.2f} {unit}"
+
+
+def format_plan(
+    columns: dict[str, tuple[dict[str, float], dict[str, dict[str, float]]]],
+) -> list[str]:
+    """Rows of a table with one column per mesh: memory per GPU, then bytes sent per step."""
+    lines = [f"{'per GPU':<35}" + "".join(f"{name:>22}" for name in columns)]
+    memories = [mem for mem, _ in columns.values()]
+    for key in memories[0]:
+        lines.append(f"  memory: {key:<25}" + "".join(_size(m[key]) for m in memories))
+    totals = "".join(_size(sum(m.values())) for m in memories)
+    lines.append(f"  {'estimated memory per rank':<33}" + totals)
+    for dim, coll in (
+        ("dp_shard", "all_gather"),
+        ("dp_shard", "reduce_scatter"),
+        ("dp_replicate", "all_reduce"),
+        ("tp", "all_gather"),
+        ("tp", "reduce_scatter"),
+    ):
+        row = "".join(_size(comm.get(dim, {}).get(coll, 0)) for _, comm in columns.values())
+        lines.append(f"  {f'sent/step: {dim} {coll}':<33}" + row)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="8B", help="the family's flavor (default 8B)")
+    p.add_argument("--family", default=ModelConfig().name, help="the trainer's --model.name")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (sequences)")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--fp8", action="store_true", help="fp8 tensorwise (fp8.filter=auto)")
+    p.add_argument("--ac", default="none", choices=["none", "full", "selective", "op"])
+    p.add_argument("--ac-every", type=int, default=2)
+    p.add_argument("--param-dtype", default="bfloat16", choices=list(BYTES))
+    p.add_argument("--reduce-dtype", default="float32", choices=list(BYTES))
+    p.add_argument("--reshard", default="default", choices=["default", "always", "never"])
+    p.add_argument("--intra-bw", type=float, default=900, help="GB/s per GPU inside a node")
+    p.add_argument("--inter-bw", type=float, default=50, help="GB/s per GPU across nodes")
+    p.add_argument("--gpu-mem", type=float, default=80, help="GB per GPU")
+    p.add_argument("--tp", type=int, nargs="*", default=[8], help="TP degrees to compare")
+    a = p.parse_args(argv)
+    family = get_family(a.family)
+    args = family.build_args(ModelConfig(name=a.family, flavor=a.model))
+    shape = model_shape(family, args, Float8Config(enabled=a.fp8))
+    world = a.nodes * a.gpus_per_node
+    meshes = {
+        f"FSDP 1x{world}": (1, world, 1),
+        f"HSDP {a.nodes}x{a.gpus_per_node}": (a.nodes, a.gpus_per_node, 1),
+    }
+    # Tensor parallel inside a node, FSDP over the rest (one shard group per node's tp slice
+    # spans all nodes: the model state shards over nodes x gpus / tp).
+    for tp in a.tp:
+        if tp > 1 and a.gpus_per_node % tp == 0:
+            meshes[f"FSDP 1x{world // tp} TP{tp}"] = (1, world // tp, tp)
+    columns, seconds = {}, {}
+    for name, (rep, shard, tp) in meshes.items():
+        mem = plan_memory(
+            shape, shard, a.batch, a.seq_len, a.param_dtype, a.ac, a.ac_every, a.reshard, tp=tp
+        )
+        # The same global batch: tp ranks share their sequences, so tp x the accumulation.
+        comm = plan_communication(
+            shape, rep, shard, a.param_dtype, a.reduce_dtype, a.reshard, a.grad_accum * tp,
+            tp=tp, tokens=a.batch * a.seq_len, ac_mode=a.ac, ac_every=a.ac_every,
+        )  # fmt: skip
+        columns[name] = (mem, comm)
+        # A shard group within one node talks over NVLink; spanning nodes, the slow link rules.
+        shard_bw = a.intra_bw if shard * tp <= a.gpus_per_node else a.inter_bw
+        seconds[name] = comm_seconds(comm, shard_bw * 1e9, a.inter_bw * 1e9, a.intra_bw * 1e9)
+    n_params = shape.numel()
+    print(f"{a.family} {a.model} ({n_params / 1e9:.2f}B parameters) on {a.nodes} x "
+          f"{a.gpus_per_node}")  # fmt: skip
+    print("\n".join(format_plan(columns)))
+    for name, (mem, _) in columns.items():
+        total = sum(mem.values())
+        fits = "fits" if total <= a.gpu_mem * 1e9 else "does NOT fit"
+        print(f"{name}: {total / 1e9:.1f} GB {fits} in {a.gpu_mem:g} GB; "
+              f"communication {seconds[name]:.2f} s/step if not overlapped")  # fmt: skip
+    best = min(seconds, key=seconds.__getitem__)
+    print(f"faster communication: {best}")
+    fitting = [n for n, (mem, _) in columns.items() if sum(mem.values()) <= a.gpu_mem * 1e9]
+    if fitting:
+        print(f"recommended: {min(fitting, key=seconds.__getitem__)} (the faster one that fits)")
+    else:
+        print("recommended: none fits; try --ac full, more nodes, or a smaller --batch")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
