@@ -22,7 +22,7 @@ from tests.test_train import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = f"{sys.executable} -m torch.distributed.run"
-HSDP_2X2 = "mesh DeviceMesh((dp_replicate=2, dp_shard=2)"
+HSDP_2X2 = "mesh DeviceMesh((dp_replicate=2, dp_shard=2, tp=1)"
 # The environment's bin/ first on PATH, as after `source .venv/bin/activate`: the launchers find
 # torchrun and python there.
 ENV = os.environ | {
