@@ -523,11 +523,11 @@ def test_sbatch_stop_signals_save_the_step_in_flight_and_usr1_requeues(
     def log() -> str:
         return out.read_text() if out.exists() else ""
 
-    def wait_until(check, what: str, timeout: float = 90) -> None:
+    def wait_until(check, what: str, timeout: float = 90, diagnose=lambda: "") -> None:
         deadline = time.monotonic() + timeout
         while not check():
             if time.monotonic() > deadline:
-                pytest.fail(f"{what} not seen in {timeout} s:\n{log()[-4000:]}")
+                pytest.fail(f"{what} not seen in {timeout} s ({diagnose()}):\n{log()[-4000:]}")
             time.sleep(0.3)
 
     def state() -> str:
@@ -539,19 +539,12 @@ def test_sbatch_stop_signals_save_the_step_in_flight_and_usr1_requeues(
         slurm_cmd("scancel", "--batch", "--signal=USR1", job)
         wait_until(lambda: state() == "PENDING", "the requeued job pending")
         requeued_after = time.monotonic() - start
-        # Slurm holds a requeued job back for two minutes; release it now. Asked again until it
-        # resumes: an update that lands before the controller has set its hold is overwritten.
-        last_release = [0.0]
-
-        def released_and_resuming() -> bool:
-            if RESUMING.search(log()):
-                return True
-            if time.monotonic() - last_release[0] > 5 and state() == "PENDING":
-                slurm_cmd("scontrol", "update", f"JobId={job}", "StartTime=now")
-                last_release[0] = time.monotonic()
-            return False
-
-        wait_until(released_and_resuming, "the requeued job resuming", timeout=150)
+        # Slurm holds a requeued job back for cred_expire + 1 s (the test cluster sets 15 s; the
+        # default is 120). Not overridden with StartTime=now: a launch in the second its old
+        # credential was revoked is refused by slurmd, and the job is then held for good.
+        why = lambda: slurm_cmd("squeue", "-h", "-j", job, "-o", "%T %r %S")  # noqa: E731
+        wait_until(lambda: RESUMING.search(log()), "the requeued job resuming", 90, why)
+        resumed_after = time.monotonic() - start
         first_stop = STOPPED.search(log())
         assert first_stop, log()[-4000:]
         resumed_at = int(RESUMING.search(log()).group(2))
@@ -568,8 +561,10 @@ def test_sbatch_stop_signals_save_the_step_in_flight_and_usr1_requeues(
     assert resumed_at == saved, text[-4000:]
     cancelled = stopped_and_saved(text[first_stop.end() :], "SIGTERM", ckpt)
     assert cancelled > saved
-    print(f"USR1: saved step {saved}, requeued {requeued_after:.1f} s after the signal, "
-          f"resumed at step {resumed_at}; scancel: saved step {cancelled}")  # fmt: skip
+    print(
+        f"USR1: saved step {saved}, requeued {requeued_after:.1f} s after the signal, resumed "
+        f"at step {resumed_at} {resumed_after:.1f} s after it; scancel: saved step {cancelled}"
+    )
 
 
 # ---- launch/preflight.py ---------------------------------------------------------------------

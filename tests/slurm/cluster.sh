@@ -71,7 +71,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$DIR/munge/munge.socket.2
+# cred_expire (default 120 s) is also how long a requeued job waits before it may start again.
+AuthInfo=socket=$DIR/munge/munge.socket.2,cred_expire=15
 StateSaveLocation=$DIR/ctld
 SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/run/slurmctld.pid
@@ -84,7 +85,8 @@ SelectType=select/cons_tres
 ReturnToService=2
 SlurmdParameters=config_overrides
 MinJobAge=4
-SchedulerParameters=batch_sched_delay=0
+# A requeued job becomes eligible after cred_expire; look at pending jobs every 5 s, not 60.
+SchedulerParameters=batch_sched_delay=0,sched_interval=5
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
