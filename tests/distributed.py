@@ -35,6 +35,7 @@ def _worker(
     nodes: int,
     port: int,
     queue: Any,
+    all_reported: Any,
     args: tuple,
     env: dict[str, str],
 ) -> None:
@@ -59,6 +60,11 @@ def _worker(
         queue.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:  # noqa: BLE001 - report anything, including SystemExit
         queue.put((rank, False, traceback.format_exc()))
+    if rank == 0:
+        # Rank 0 hosts the TCPStore. A function that ends without a last collective (e.g. one
+        # that only builds a mesh) would otherwise let rank 0 exit, and take the store with it,
+        # while another rank still waits on it: "Broken pipe" there.
+        all_reported.wait(timeout=600)
 
 
 def run_distributed(
@@ -74,9 +80,12 @@ def run_distributed(
     `fn` must be importable (module level) and its result picklable.
     """
     port = _free_port()
-    queue = _CTX.Queue()
+    queue, all_reported = _CTX.Queue(), _CTX.Event()
     procs = [
-        _CTX.Process(target=_worker, args=(fn, r, world_size, nodes, port, queue, args, env or {}))
+        _CTX.Process(
+            target=_worker,
+            args=(fn, r, world_size, nodes, port, queue, all_reported, args, env or {}),
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -97,6 +106,7 @@ def run_distributed(
             f"within {timeout:.0f}s ({type(exc).__name__})"
         )
     finally:
+        all_reported.set()
         for p in procs:
             p.join(timeout=5 if not errors else 0.1)
             if p.is_alive():
