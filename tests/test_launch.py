@@ -456,7 +456,8 @@ def test_sbatch_hsdp_two_nodes_trains_checkpoints_and_resumes(
     slurm: Path, tiny_dataset: str, tmp_path: Path
 ) -> None:
     """The documented command, config file first: 2 nodes x 2 ranks train HSDP 2x2 and save.
-    Submitted again from another directory, with paths relative to it, the job resumes."""
+    Submitted again from another directory, with paths relative to it and tensor parallel
+    inside each node (`--parallel.tp=2`, as docs/launch.md's 70B example), the job resumes."""
     train = tiny_args(tiny_dataset, tmp_path, "--checkpoint.interval=2", "--train.steps=4")
     preflight = {"PREFLIGHT": "1", "PREFLIGHT_ARGS": "--size-mb=1 --iters=2"}
     log = sbatch(slurm, tmp_path / "first.out", ["configs/debug.toml", *train],
@@ -470,10 +471,11 @@ def test_sbatch_hsdp_two_nodes_trains_checkpoints_and_resumes(
     # Slurm runs a spooled copy of the script: it must not look for the repo next to itself.
     (tmp_path / "my.toml").write_text((ROOT / "configs" / "debug.toml").read_text())
     train = tiny_args(tiny_dataset, Path("."), "--checkpoint.interval=2", "--train.steps=6")
-    log = sbatch(slurm, tmp_path / "second.out", ["my.toml", *train], cwd=tmp_path,
-                 script=str(ROOT / "launch" / "hsdp.sbatch"))  # fmt: skip
+    log = sbatch(slurm, tmp_path / "second.out", ["my.toml", *train, "--parallel.tp=2"],
+                 cwd=tmp_path, script=str(ROOT / "launch" / "hsdp.sbatch"))  # fmt: skip
     resumed = RESUMING.search(log)
     assert resumed and resumed.group(2) == "4", log[-4000:]
+    assert "mesh DeviceMesh((dp_replicate=2, dp_shard=1, tp=2)" in log, log[-4000:]
     assert step_logged(6, log) and (tmp_path / "debug" / "checkpoints" / "step-6").exists()
 
 
