@@ -16,6 +16,7 @@ the TP DTensors over the data-parallel dims of the same mesh.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 from torch import nn
@@ -131,6 +132,10 @@ def apply_tp(
         for name in names:
             plan[name] = _style(kind, modules[name], isinstance(modules[name], float8_linear))
     parallelize_module(model, tp_mesh, plan)
+    # The output style hands back the gathered logits with DTensor.to_local(), which returns a
+    # view; torch >= 2.13's FSDP then warns once per rank that an in-place op on the root's
+    # output would skip its backward hook. The loss reads the logits out of place only.
+    warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(.*\) returned a view tensor")
     for first, others in tied.items():  # the styles replaced each module's copy: share again
         shared = model.get_parameter(first)
         for other in others:
