@@ -14,7 +14,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from parallel.dims import ParallelConfig
 
@@ -92,30 +92,23 @@ def _set_prefetch(units: list[nn.Module], forward: int, backward: int) -> None:
 
 def local_region(param: torch.Tensor) -> tuple[slice, ...] | None:
     """The part of the full parameter this rank holds, one slice per dimension (global
-    indices); None where it is not one block of the full tensor (a strided placement, or a
-    rank outside the parameter's mesh).
+    indices); None where it is not one block of the full tensor, or the rank is outside the
+    parameter's mesh.
 
-    A plain tensor is all local. For a DTensor, each Shard(d) splits dimension d the way
-    torch.chunk does (chunks of ceil(n / k), the last ones shorter or empty), nested in
-    placement order, as FSDP2 does; Replicate() leaves it whole.
+    A plain tensor is all local. For a DTensor, the answer is the one DCP saves by: the chunk
+    `__create_chunk_list__` reports (offsets and sizes in the full tensor). That covers every
+    layout FSDP2 and tensor parallel make, including FSDP's shard of a TP shard along the same
+    dimension (a strided placement: chunk (FSDP) of chunk (TP), still one block), without
+    re-deriving DTensor's chunking rules here.
     """
-    ranges = [(0, n) for n in param.shape]
     if not isinstance(param, DTensor):
-        return tuple(slice(*r) for r in ranges)
-    coordinate = param.device_mesh.get_coordinate()
-    if coordinate is None:
+        return tuple(slice(0, n) for n in param.shape)
+    if param.device_mesh.get_coordinate() is None:
         return None
-    for mesh_dim, placement in enumerate(param.placements):
-        if type(placement) is Shard:  # exactly Shard: subclasses (strided) split differently
-            start, end = ranges[placement.dim]
-            chunk = -(-(end - start) // param.device_mesh.size(mesh_dim))
-            lo = min(start + coordinate[mesh_dim] * chunk, end)
-            ranges[placement.dim] = (lo, min(lo + chunk, end))
-        elif not isinstance(placement, Replicate):
-            return None
-    if tuple(end - start for start, end in ranges) != tuple(param.to_local().shape):
-        return None  # a chunking rule other than torch.chunk's: take the safe path
-    return tuple(slice(*r) for r in ranges)
+    chunks = param.__create_chunk_list__()
+    if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(param.to_local().shape):
+        return None  # not one block: the caller takes the draw-whole path
+    return tuple(slice(o, o + n) for o, n in zip(chunks[0].offsets, chunks[0].sizes, strict=True))
 
 
 @torch.no_grad()
@@ -125,8 +118,8 @@ def assign_local_shard(param: torch.Tensor, draw: Draw) -> None:
     Passed to `init_weights`: `draw(region)` computes the values of any region of the full
     parameter from the seed alone (model/random_init.py), so each rank draws exactly its own
     slice, O(shard) work and no communication, and the initial weights do not depend on the
-    mesh. For a placement that is not a plain block (FSDP over tensor parallel's strided
-    shards), every rank draws the whole parameter and keeps its part, as before.
+    mesh. Where `local_region` finds no block, every rank draws the whole parameter and keeps
+    its part.
     """
     region = local_region(param)
     if not isinstance(param, DTensor):

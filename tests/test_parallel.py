@@ -70,11 +70,11 @@ def reference_weights(args: LlamaArgs = ARGS) -> dict[str, torch.Tensor]:
 
 
 def sharded_weights(
-    dp_replicate: int, args: LlamaArgs = ARGS, whole: bool = False
+    dp_replicate: int, args: LlamaArgs = ARGS, whole: bool = False, tp: int = 1
 ) -> tuple[dict[str, torch.Tensor], dict[str, str], tuple[int, int]]:
     """Full weights after a sharded init, their placements, and (elements drawn, elements held)
     on this rank. `whole`: take the path for placements that are not one block (draw the whole
-    parameter, keep the local part)."""
+    parameter, keep the local part). `tp`: tensor parallel first, then FSDP, as train.py."""
     from parallel import fsdp
     from parallel.fsdp import apply_fsdp, assign_local_shard
 
@@ -86,9 +86,14 @@ def sharded_weights(
     device = torch.device("cpu")
     init_distributed(device, launch, 60)
     world = launch.world_size
-    mesh = build_mesh(device, dp_replicate, world // dp_replicate)
+    mesh = build_mesh(device, dp_replicate, world // dp_replicate // tp, tp)
     with torch.device("meta"):
         model = Transformer(args)
+    if tp > 1:
+        from model import get_family
+        from parallel.tp import apply_tp
+
+        apply_tp(model, get_family("llama3"), mesh["tp"])
     apply_fsdp(model, fsdp_units(model), dp_mesh(mesh), ParallelConfig(param_dtype="float32"))
     model.to_empty(device=device)
     drawn = [0]
@@ -110,24 +115,32 @@ def sharded_weights(
 
 
 @pytest.mark.parametrize(
-    ("world", "dp_replicate", "args", "whole"),
-    [(1, 1, ARGS, False), (4, 1, ARGS, False), (4, 2, ARGS, False), (4, 1, UNEVEN, False),
-     (4, 1, UNEVEN, True)],
-    ids=["1", "fsdp-4", "hsdp-2x2", "fsdp-4-uneven", "fsdp-4-uneven-whole-draw"],
+    ("world", "dp_replicate", "args", "whole", "tp"),
+    [(1, 1, ARGS, False, 1), (4, 1, ARGS, False, 1), (4, 2, ARGS, False, 1),
+     (4, 1, UNEVEN, False, 1), (4, 1, UNEVEN, True, 1), (4, 1, ARGS, False, 2),
+     (8, 2, ARGS, False, 2)],
+    ids=["1", "fsdp-4", "hsdp-2x2", "fsdp-4-uneven", "fsdp-4-uneven-whole-draw",
+         "fsdp-2-tp-2", "hsdp-2x2-tp-2"],
 )  # fmt: skip
 def test_initial_weights_identical_on_every_mesh(
-    world: int, dp_replicate: int, args: LlamaArgs, whole: bool
+    world: int, dp_replicate: int, args: LlamaArgs, whole: bool, tp: int
 ) -> None:
-    """Bit-identical to the single-device init, with each rank drawing only what it holds."""
+    """Bit-identical to the single-device init, with each rank drawing only what it holds,
+    also where FSDP shards tensor parallel's shards again (strided placements)."""
     reference = reference_weights(args)
-    results = run_distributed(sharded_weights, world, dp_replicate, args, whole, nodes=dp_replicate)
+    results = run_distributed(
+        sharded_weights, world, dp_replicate, args, whole, tp, nodes=dp_replicate
+    )
     total = sum(v.numel() for v in reference.values())
     for full, placements, (drawn, held) in results:
         assert full.keys() == reference.keys()
         for name, value in reference.items():
             assert torch.equal(full[name], value), name
-        expected = "(Shard(dim=0),)" if dp_replicate == 1 else "(Replicate(), Shard(dim=0))"
-        assert set(placements.values()) == {expected}
+        if tp == 1:
+            expected = "(Shard(dim=0),)" if dp_replicate == 1 else "(Replicate(), Shard(dim=0))"
+            assert set(placements.values()) == {expected}
+        else:  # FSDP over TP's Shard(0): a strided shard on the FSDP dim
+            assert any("_StridedShard" in p for p in placements.values()), placements
         # O(shard): no rank draws another rank's values (unless asked to draw whole ones).
         assert drawn == (total if whole else held)
 
