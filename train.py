@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from checkpoint import (
     CheckpointConfig,
@@ -61,7 +62,7 @@ from parallel.float8 import (
 )
 from parallel.fsdp import apply_fsdp, assign_local_shard, reshard_plan
 from parallel.runtime import build_mesh, dp_mesh, dp_rank_and_size, init_distributed, pick_device
-from parallel.tp import apply_tp
+from parallel.tp import apply_tp, loss_context
 
 logger = logging.getLogger("train")
 
@@ -214,8 +215,11 @@ def summed_loss(
     targets: torch.Tensor,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
 ) -> torch.Tensor:
-    """The model's summed loss on one micro-batch (`loss_fn`: possibly the compiled one)."""
-    return loss_fn(model(inputs), targets)
+    """The model's summed loss on one micro-batch (`loss_fn`: possibly the compiled one).
+    At tp > 1 call it under `loss_context`: the loss is then a DTensor holding the whole value
+    on every tp rank, returned as a plain tensor (its backward still runs through DTensor)."""
+    loss = loss_fn(model(inputs), targets)
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def train(
@@ -277,7 +281,8 @@ def _train(
     # step before may have wrapped them.
     apply_ac(model, plan.family.fsdp_units(model), job.ac)
     apply_compile(model, plan.family.fsdp_units(model), job.compile)
-    loss_fn = compile_loss(cross_entropy_sum, job.compile)
+    # At tp > 1 loss parallel (loss_context) keeps the logits split instead: no compiled loss.
+    loss_fn = compile_loss(cross_entropy_sum, job.compile) if plan.tp == 1 else cross_entropy_sum
     apply_fsdp(model, plan.family.fsdp_units(model), dp_mesh(mesh), job.parallel)
     model.to_empty(device=device)
     if job.checkpoint.init_from_hf and plan.resume is None:
@@ -358,11 +363,13 @@ def _train(
                     # Every block is still gathered at the end of forward anyway: keeping them
                     # through backward adds nothing to the peak.
                     model.set_reshard_after_backward(last)
-                loss = summed_loss(model, inputs, targets, loss_fn) / global_tokens
-                # FSDP averages gradients over the dp ranks; our loss is already a global mean,
-                # so scale by dp_size to turn that average into the sum we want. Each of the tp
-                # ranks of a dp rank counted the same targets into global_tokens: x tp undoes it.
-                (loss * dp_size * plan.tp).backward()
+                with loss_context(plan.tp):
+                    loss = summed_loss(model, inputs, targets, loss_fn) / global_tokens
+                    # FSDP averages gradients over the dp ranks; our loss is already a global
+                    # mean, so scale by dp_size to turn that average into the sum we want. Each
+                    # of the tp ranks of a dp rank counted the same targets into global_tokens:
+                    # x tp undoes it.
+                    (loss * dp_size * plan.tp).backward()
                 loss_sum += loss.detach()
 
             grad_norm = clip_grad_norm(model, t.max_grad_norm)
@@ -408,7 +415,8 @@ def _train(
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
             val = build_loader(job, plan, "val", dp_rank, dp_size)
             n_val = t.eval_batches * plan.grad_accum_steps
-            val_loss = evaluate(model, val, n_val, device, loss_fn)
+            with loss_context(plan.tp):
+                val_loss = evaluate(model, val, n_val, device, loss_fn)
             metrics.log(step, {"loss/val": val_loss})
             timer.lap()  # evaluation time is not training throughput
         # After the optimizer step, so the checkpoint of step N holds N updates. A stop

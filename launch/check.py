@@ -215,7 +215,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         job.ac.every,
         job.parallel.reshard_after_forward,
         job.parallel.cpu_offload,
-        compiled_loss=job.compile.enabled and job.compile.loss,
+        compiled_loss=job.compile.enabled and job.compile.loss and job.parallel.tp == 1,
         tp=plan.tp,
     )
     comm = plan_communication(

@@ -23,10 +23,11 @@ real run within 1%):
   embedding) hold 1/tp per rank before FSDP shards them; norm gains are replicated. Per block
   and micro-batch, the attention and FFN inputs are all-gathered along the sequence and their
   outputs reduce-scattered back (2 + 2 of a (tokens, dim) tensor in forward, the same in
-  backward, and a checkpointed block's recompute 2 + 1); the embedding output, the final
-  norm's output and the logits (gathered whole for the loss) add one each. The all-reduces of
-  the replicated norm gains' gradients (dim elements each) are left out. Activations divide by
-  tp except the two gathered (tokens, dim) block inputs that the split Linears keep.
+  backward, and a checkpointed block's recompute 2 + 1); the embedding output and the final
+  norm's output add one each. The logits stay split over the vocabulary (loss parallel: three
+  all-reduces of a float32 per token). The all-reduces of the replicated norm gains' gradients
+  (dim elements each) are left out. Activations divide by tp except the two gathered
+  (tokens, dim) block inputs that the split Linears keep.
 """
 
 from __future__ import annotations
@@ -191,18 +192,19 @@ def _tp_communication(
 ) -> dict[str, float]:
     """Activation bytes tensor parallel sends per rank and step (see the module docstring)."""
     if tp == 1:
-        return {"all_gather": 0.0, "reduce_scatter": 0.0}
+        return {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
     n = shape.n_layers
     recomputed = {"full": n, "selective": math.ceil(n / ac_every)}.get(ac_mode, 0)
     # Per block: 2 gathers + 2 reduce-scatters forward, 2 + 2 backward; a recompute redoes
     # both gathers but only attention's reduce-scatter (torch's checkpoint stops once it has
     # every saved tensor, before the FFN's output). The root: the embedding's reduce-scatter
-    # and the final norm's gather (and their backward twins), plus the logits' gather.
+    # and the final norm's gather (and their backward twins). The logits stay split: loss
+    # parallel all-reduces three float32 values per token (max, sum of exp, target logit).
     hidden = (tp - 1) / tp * tokens * shape.dim * BYTES[param_dtype]
-    logits = (tp - 1) / tp * tokens * shape.vocab_size * BYTES[param_dtype]
     return {
-        "all_gather": micro_batches * ((4 * n + 2 * recomputed + 2) * hidden + logits),
+        "all_gather": micro_batches * (4 * n + 2 * recomputed + 2) * hidden,
         "reduce_scatter": micro_batches * (4 * n + recomputed + 2) * hidden,
+        "all_reduce": micro_batches * 3 * 2 * (tp - 1) / tp * tokens * 4,
     }
 
 
@@ -280,7 +282,6 @@ def plan_memory(
         # Logits in compute dtype and, at the loss's peak, their gradient: in compute dtype when
         # the loss is compiled (compile.loss); eager adds a float32 copy, the float32
         # log-softmax kept for backward and a float32 gradient (measured: bench/loss.py). With
-        # tp the logits are gathered whole, next to this rank's vocabulary slice.
-        "logits": tokens * shape.vocab_size * (2 * pbytes if compiled_loss else pbytes + 12)
-        + (tokens * shape.vocab_size * pbytes / tp if tp > 1 else 0),
+        # tp each rank holds its vocabulary slice only (loss parallel, never compiled).
+        "logits": tokens * shape.vocab_size / tp * (2 * pbytes if compiled_loss else pbytes + 12),
     }

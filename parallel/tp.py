@@ -15,6 +15,7 @@ the TP DTensors over the data-parallel dims of the same mesh.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from typing import Any
@@ -28,6 +29,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -96,8 +98,10 @@ def _style(kind: TPStyle, module: nn.Module, float8: bool) -> ParallelStyle:
         )
     if kind == "embedding":  # vocabulary rows split; output reduce-scattered along the sequence
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    if kind == "output":  # vocabulary columns split; logits gathered whole for the loss
-        return ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    if kind == "output":  # vocabulary columns split; the logits stay split (loss_context)
+        return ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        )
     raise ValueError(f"unknown TP style {kind!r}")
 
 
@@ -132,9 +136,9 @@ def apply_tp(
         for name in names:
             plan[name] = _style(kind, modules[name], isinstance(modules[name], float8_linear))
     parallelize_module(model, tp_mesh, plan)
-    # The output style hands back the gathered logits with DTensor.to_local(), which returns a
-    # view; torch >= 2.13's FSDP then warns once per rank that an in-place op on the root's
-    # output would skip its backward hook. The loss reads the logits out of place only.
+    # The root's output (the logits DTensor) is a view of the output Linear's result; torch >=
+    # 2.13's FSDP then warns once per rank that an in-place op on it would skip its backward
+    # hook. The loss reads the logits out of place only.
     warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(.*\) returned a view tensor")
     for first, others in tied.items():  # the styles replaced each module's copy: share again
         shared = model.get_parameter(first)
@@ -144,6 +148,14 @@ def apply_tp(
     if plain := [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]:
         raise ValueError(f"TP_PLAN leaves parameters unsplit and unreplicated: {plain}")
     return plan
+
+
+def loss_context(tp: int) -> contextlib.AbstractContextManager:
+    """Where the loss's forward and backward run. At tp > 1 the logits stay split over the
+    vocabulary (the "output" style) and torch's `loss_parallel` computes the cross-entropy
+    from the slices: three all-reduces of one float per token, instead of all-gathering
+    tokens x vocab logits onto every rank; each rank stores 1/tp of the logits."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
 
 
 def _matches(name: str, pattern: str) -> bool:
