@@ -49,6 +49,7 @@ def format_plan(
         ("dp_replicate", "all_reduce"),
         ("tp", "all_gather"),
         ("tp", "reduce_scatter"),
+        ("tp", "all_reduce"),
     ):
         row = "".join(_size(comm.get(dim, {}).get(coll, 0)) for _, comm in columns.values())
         lines.append(f"  {f'sent/step: {dim} {coll}':<33}" + row)
