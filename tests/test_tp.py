@@ -99,8 +99,8 @@ def grads_after_one_step(dims: tuple[int, int, int], family_name: str) -> dict:
     from parallel.dims import ParallelConfig
     from parallel.fsdp import apply_fsdp, assign_local_shard
     from parallel.runtime import build_mesh, dp_mesh, init_distributed
-    from parallel.tp import apply_tp
-    from train import clip_grad_norm
+    from parallel.tp import apply_tp, loss_context
+    from train import clip_grad_norm, summed_loss
 
     device = torch.device("cpu")
     init_distributed(device, LaunchEnv.from_env(), 60)
@@ -121,8 +121,9 @@ def grads_after_one_step(dims: tuple[int, int, int], family_name: str) -> dict:
     model.to_empty(device=device)
     model.init_weights(seed=0, rope_len=16, assign=assign_local_shard)
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
-    loss.backward()
+    with loss_context(dims[2]):  # the trainer's loss: split logits under loss parallel
+        loss = summed_loss(model, tokens, tokens) / tokens.numel()
+        loss.backward()
     norm = clip_grad_norm(model, max_norm=0.1)
     grads = {
         n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()
