@@ -20,6 +20,7 @@ import inspect
 import warnings
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -40,18 +41,29 @@ from model import ModelFamily, TPStyle
 SPLIT_STYLES = ("colwise", "rowwise", "embedding", "output")
 
 
-def check_tp(family: ModelFamily, args: Any, tp: int, name: str, compiled: bool = False) -> None:
+def check_tp(
+    family: ModelFamily,
+    args: Any,
+    tp: int,
+    name: str,
+    compiled: bool = False,
+    ac_mode: str = "none",
+) -> None:
     """ConfigError, before any collective, for a model that cannot be split tp ways: each
     rank must hold whole attention heads and an equal slice of the vocabulary."""
     if tp == 1:
         return
-    if compiled:
-        # Measured on torch 2.13 (CPU): compiled blocks under these styles lose the gradient
-        # that reaches the embedding (its grad is wrong by 100%, grad norm -0.7%); with AC
-        # compile fails outright. Refuse rather than train wrong.
+    if compiled and ac_mode in ("full", "selective"):
+        # torch 2.13: compiling a block that checkpoint_wrapper recomputes whole, with DTensor
+        # ops inside, fails at the first forward: AOTAutograd's partitioner stores the
+        # DeviceMesh that the recomputed redistributions need among the saved tensors
+        # ("expected all tensors_saved_with_vc_check to be Tensors"). ac.mode=op compiles
+        # and matches eager (tests/test_tp.py); so does AC applied around the compiled block,
+        # which would reverse the documented order (docs/parallelism.md).
         raise ConfigError(
-            f"parallel.tp={tp} with compile.enabled=true is not supported yet (wrong "
-            "gradients measured on torch 2.13): set compile.enabled=false or parallel.tp=1"
+            f"parallel.tp={tp} with compile.enabled=true and ac.mode={ac_mode} fails in "
+            "torch.compile (AOTAutograd saves the DeviceMesh among the tensors of the "
+            "recomputed block): use ac.mode=op or none, or compile.enabled=false"
         )
     if getattr(family, "TP_PLAN", None) is None:
         raise ConfigError(f"parallel.tp={tp}: model {name} declares no TP_PLAN (model/)")
@@ -128,6 +140,7 @@ def apply_tp(
     tied = _tied_names(model)
     modules = dict(model.named_modules())
     plan: dict[str, ParallelStyle] = {}
+    embeddings: list[nn.Module] = []
     for pattern, kind in family.TP_PLAN.items():
         # One style per concrete module: float8 or not is decided per layer (fp8.skip, filter).
         names = [n for n in modules if _matches(n, pattern)]
@@ -135,11 +148,15 @@ def apply_tp(
             raise ValueError(f"TP_PLAN entry {pattern!r} matches no module")
         for name in names:
             plan[name] = _style(kind, modules[name], isinstance(modules[name], float8_linear))
+            if kind == "embedding":
+                embeddings.append(modules[name])
     parallelize_module(model, tp_mesh, plan)
     # The root's output (the logits DTensor) is a view of the output Linear's result; torch >=
     # 2.13's FSDP then warns once per rank that an in-place op on it would skip its backward
     # hook. The loss reads the logits out of place only.
     warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(.*\) returned a view tensor")
+    for embedding in embeddings:  # after the style's own hook, which returns the async output
+        embedding.register_forward_hook(_resolved_output)
     for first, others in tied.items():  # the styles replaced each module's copy: share again
         shared = model.get_parameter(first)
         for other in others:
@@ -156,6 +173,17 @@ def loss_context(tp: int) -> contextlib.AbstractContextManager:
     from the slices: three all-reduces of one float per token, instead of all-gathering
     tokens x vocab logits onto every rank; each rank stores 1/tp of the logits."""
     return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
+def _resolved_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's output, copied out of the AsyncCollectiveTensor its (async)
+    reduce-scatter returns. torch 2.13's AOTAutograd waits on such an input of a compiled
+    block and drops its requires_grad (since pytorch/pytorch#179849; fix proposed in #191113):
+    the first block then returns no gradient for it and the embedding never learns. The copy,
+    (batch, seq / tp, dim) once per forward, is a plain tensor with autograd history (`wait()`
+    would detach it). The reduce-scatter could not overlap anyway: the first block's norm
+    needs it at once. Standalone repro: docs/notes/tp_compile_repro.py."""
+    return output.clone()
 
 
 def _matches(name: str, pattern: str) -> bool:
