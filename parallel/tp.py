@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import warnings
 from typing import Any
 
@@ -155,6 +156,10 @@ def apply_tp(
     # 2.13's FSDP then warns once per rank that an in-place op on it would skip its backward
     # hook. The loss reads the logits out of place only.
     warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(.*\) returned a view tensor")
+    # The grad norm of gradients split over (dp_shard, tp) is reduced by two scalar
+    # all-reduces; DTensor logs that flattening the two mesh dims would make it one. Not worth
+    # a private API for one float per step.
+    logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_not_norm_hint)
     for embedding in embeddings:  # after the style's own hook, which returns the async output
         embedding.register_forward_hook(_resolved_output)
     for first, others in tied.items():  # the styles replaced each module's copy: share again
@@ -165,6 +170,11 @@ def apply_tp(
     if plain := [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]:
         raise ValueError(f"TP_PLAN leaves parameters unsplit and unreplicated: {plain}")
     return plan
+
+
+def _not_norm_hint(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not ("_NormPartial" in message and "sequential all_reduce" in message)
 
 
 def loss_context(tp: int) -> contextlib.AbstractContextManager:
