@@ -278,9 +278,15 @@ def _train(
         apply_tp(model, plan.family, mesh["tp"], float8_collectives=fp8_comm)
     # AC before compile, so the compiled block includes its recompute; compile before FSDP, so
     # its collectives stay outside compiled code. Each asks the family for the blocks anew: the
-    # step before may have wrapped them.
-    apply_ac(model, plan.family.fsdp_units(model), job.ac)
-    apply_compile(model, plan.family.fsdp_units(model), job.compile)
+    # step before may have wrapped them. Except at tp > 1 with whole-block AC: torch 2.13
+    # cannot compile a checkpointed block with DTensor ops (AOTAutograd saves a DeviceMesh
+    # among its tensors), so the compiled block is checkpointed instead: same numbers.
+    if plan.tp > 1 and job.ac.mode in ("full", "selective"):
+        apply_compile(model, plan.family.fsdp_units(model), job.compile)
+        apply_ac(model, plan.family.fsdp_units(model), job.ac)
+    else:
+        apply_ac(model, plan.family.fsdp_units(model), job.ac)
+        apply_compile(model, plan.family.fsdp_units(model), job.compile)
     # At tp > 1 loss parallel (loss_context) keeps the logits split instead: no compiled loss.
     loss_fn = compile_loss(cross_entropy_sum, job.compile) if plan.tp == 1 else cross_entropy_sum
     apply_fsdp(model, plan.family.fsdp_units(model), dp_mesh(mesh), job.parallel)

@@ -70,7 +70,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     family = get_family(job.model.name)
     args = family.build_args(job.model)
     dp_replicate, dp_shard = resolve_dims(job.parallel, env)
-    check_tp(family, args, job.parallel.tp, job.model.name, job.compile.enabled, job.ac.mode)
+    check_tp(family, args, job.parallel.tp, job.model.name)
     dp = dp_replicate * dp_shard
     t = job.train
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:

@@ -42,30 +42,11 @@ from model import ModelFamily, TPStyle
 SPLIT_STYLES = ("colwise", "rowwise", "embedding", "output")
 
 
-def check_tp(
-    family: ModelFamily,
-    args: Any,
-    tp: int,
-    name: str,
-    compiled: bool = False,
-    ac_mode: str = "none",
-) -> None:
+def check_tp(family: ModelFamily, args: Any, tp: int, name: str) -> None:
     """ConfigError, before any collective, for a model that cannot be split tp ways: each
     rank must hold whole attention heads and an equal slice of the vocabulary."""
     if tp == 1:
         return
-    if compiled and ac_mode in ("full", "selective"):
-        # torch 2.13: compiling a block that checkpoint_wrapper recomputes whole, with DTensor
-        # ops inside, fails at the first forward: AOTAutograd's partitioner stores the
-        # DeviceMesh that the recomputed redistributions need among the saved tensors
-        # ("expected all tensors_saved_with_vc_check to be Tensors"). ac.mode=op compiles
-        # and matches eager (tests/test_tp.py); so does AC applied around the compiled block,
-        # which would reverse the documented order (docs/parallelism.md).
-        raise ConfigError(
-            f"parallel.tp={tp} with compile.enabled=true and ac.mode={ac_mode} fails in "
-            "torch.compile (AOTAutograd saves the DeviceMesh among the tensors of the "
-            "recomputed block): use ac.mode=op or none, or compile.enabled=false"
-        )
     if getattr(family, "TP_PLAN", None) is None:
         raise ConfigError(f"parallel.tp={tp}: model {name} declares no TP_PLAN (model/)")
     sizes = {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size}

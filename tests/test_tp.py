@@ -50,8 +50,6 @@ def test_tp_mesh_errors_name_every_number() -> None:
     [
         ("--model.n_kv_heads=1", r"tp=2 must divide .*not: n_kv_heads=1\)"),
         ("--model.vocab_size=511", r"tp=2 must divide .*not: vocab_size=511\)"),
-        (["--compile.enabled=true", "--ac.mode=full"], r"tp=2 with compile.enabled=true and ac"),
-        (["--compile.enabled=true", "--ac.mode=selective"], r"ac.mode=selective fails in torch"),
     ],
 )
 def test_model_that_tp_cannot_split_is_a_config_error(
@@ -170,10 +168,11 @@ def test_compiled_tp_gradients_equal_one_process(family: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ac", ["none", "op"])
+@pytest.mark.parametrize("ac", ["op", "full"])
 def test_fp32_parity_tp_with_compile(tiny_dataset: str, tmp_path: Path, ac: str) -> None:
     """tp 2 with compiled blocks = 1 process, losses within 1e-5 per step (at tp > 1 the loss
-    itself is not compiled: loss parallel, see train.py).
+    itself is not compiled: loss parallel, see train.py). With op-level AC inside the compiled
+    block; with full AC around it (train.py's order at tp > 1). Without AC: the gradient test.
     Measured exact on 4 steps; also (dp_shard 2, tp 2) and (dp_replicate 2, dp_shard 2, tp 2),
     left out here for time (1 and 2 minutes on 2 cores)."""
     steps = [*FP32, "--train.steps=4", "--train.micro_batch_size=4", f"--ac.mode={ac}"]
