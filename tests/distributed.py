@@ -19,7 +19,7 @@ from typing import Any
 
 _CTX = mp.get_context("forkserver")
 # The fork server imports torch once; each rank forks from it instead of re-importing (~2 s).
-_CTX.set_forkserver_preload(["torch", "torch.distributed"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "train"])
 
 
 def _free_port() -> int:
