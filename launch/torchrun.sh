@@ -31,7 +31,10 @@ fi
 # Share the cores between the processes: torchrun's default of 1 thread each leaves cores idle
 # when there are fewer processes than cores, and more threads than cores thrash.
 if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
-    OMP_NUM_THREADS=$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))
+    # The cores this process may use (affinity/cgroup), not OMP_THREAD_LIMIT, which GNU nproc
+    # would also honour.
+    cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+    OMP_NUM_THREADS=$(( cores / NPROC > 0 ? cores / NPROC : 1 ))
     export OMP_NUM_THREADS
 fi
 

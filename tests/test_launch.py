@@ -416,6 +416,10 @@ def slurm(tmp_path_factory: pytest.TempPathFactory):
     """Bring up the test cluster; yields its bin/ folder (sbatch etc. wrappers)."""
     state = tmp_path_factory.mktemp("slurm")
     env = os.environ | {"SLURM_TEST_DIR": str(state), "SLURM_TEST_NAME": f"fsdp2t{os.getpid()}"}
+    # As exported by many cluster shells: the nodes must still get every core (GNU nproc counts
+    # these variables, not cores; cluster.sh and the launchers must not), or each node runs 1
+    # rank and the two-node test's "ranks [2, 3]" line never comes.
+    env |= {"OMP_NUM_THREADS": "1", "OMP_THREAD_LIMIT": "1"}
     try:
         up = subprocess.run(
             [str(CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=300

@@ -19,7 +19,9 @@ NAME=${SLURM_TEST_NAME:-fsdp2s}
 SUBNET=${SLURM_TEST_SUBNET:-10.213.47}
 NODES=(node1 node2)
 CTL=slurmctl
-CPUS=$(nproc)
+# Every core this process may use. GNU nproc honours OMP_NUM_THREADS and OMP_THREAD_LIMIT,
+# which many cluster shells export (=1): unset for the count, or each node gets 1 CPU.
+CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 
 cannot() { echo "cluster.sh: cannot run here: $*" >&2; exit 3; }
 
