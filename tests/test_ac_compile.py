@@ -123,6 +123,7 @@ def test_checkpoint_keys_and_init_unchanged_by_ac_and_compile() -> None:
             assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
 def test_ac_losses_match_eager_on_fsdp(tiny_dataset: str, tmp_path: Path) -> None:
     """2 FSDP ranks, fp32: every AC mode gives the losses of the run without AC."""
     steps = ["--train.steps=3", "--train.micro_batch_size=2", "--model.n_layers=3"]

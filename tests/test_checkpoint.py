@@ -99,6 +99,7 @@ def train_with_slow_writer(args: list[str]) -> list[float]:
     return train_losses(args)
 
 
+@pytest.mark.slow
 def test_async_save_equals_sync(
     sync_run: tuple[list, Path], tiny_dataset: str, tmp_path: Path
 ) -> None:
@@ -149,6 +150,7 @@ def train_and_get_killed(args: list[str]) -> list[float]:
     return train_losses(args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["off", "async"])
 def test_kill_during_save_resumes_from_previous_checkpoint(
     sync_run: tuple[list, Path], tiny_dataset: str, mode: str, caplog
@@ -209,6 +211,7 @@ def test_resharding_matrix_continues_the_same_run(tiny_dataset: str, tmp_path: P
     assert pickle.loads(final["dataloader"]["state"])["_index_sampler_state"]["consumed"] == 80
 
 
+@pytest.mark.slow
 def test_keep_last_prunes_only_older_complete_checkpoints(
     tiny_dataset: str, tmp_path: Path, caplog
 ) -> None:
@@ -348,6 +351,7 @@ def test_missing_resume_path_under_torchrun_fails_once_without_hanging(
     assert f"{missing} does not exist" in result.stderr
 
 
+@pytest.mark.slow
 def test_restart_of_a_finetune_resumes_its_own_checkpoint(
     sync_run: tuple[list, Path], tiny_dataset: str
 ) -> None:
@@ -368,6 +372,7 @@ def test_restart_of_a_finetune_resumes_its_own_checkpoint(
     assert first + again == straight
 
 
+@pytest.mark.slow
 def test_init_from_hf_equals_load_model_only(
     sync_run: tuple[list, Path], tiny_dataset: str
 ) -> None:
@@ -419,6 +424,11 @@ DAMAGE = {
     "truncated-metadata": (".metadata", truncate),
     "flipped-byte": ("__0_0.distcp", flip_a_byte),
 }
+# The quick tier takes the damage only the content check finds (its size is right); the full
+# suite every kind.
+DAMAGE_KINDS = [
+    k if k == "flipped-byte" else pytest.param(k, marks=pytest.mark.slow) for k in DAMAGE
+]
 
 
 def copy_checkpoints(out: Path, name: str) -> Path:
@@ -438,7 +448,7 @@ def assert_intact(path: Path) -> None:
     assert verify_files(path, list(read_manifest(path) or [])) == []
 
 
-@pytest.mark.parametrize("kind", DAMAGE)
+@pytest.mark.parametrize("kind", DAMAGE_KINDS)
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     sync_run: tuple[list, Path], tiny_dataset: str, tmp_path: Path, kind: str
 ) -> None:
@@ -469,7 +479,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     assert_intact(folder / "step-8")
 
 
-@pytest.mark.parametrize("kind", DAMAGE)
+@pytest.mark.parametrize("kind", DAMAGE_KINDS)
 def test_damaged_explicit_checkpoint_is_one_config_error(
     sync_run: tuple[list, Path], tiny_dataset: str, kind: str
 ) -> None:
@@ -490,6 +500,7 @@ def test_damaged_explicit_checkpoint_is_one_config_error(
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(
     sync_run: tuple[list, Path], tiny_dataset: str
 ) -> None:
@@ -511,6 +522,7 @@ def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(
     assert all((folder / step / COMPLETE).is_file() for step in ("step-4", "step-8"))
 
 
+@pytest.mark.slow
 def test_checkpoint_without_manifest_loads_with_a_warning(
     sync_run: tuple[list, Path], tiny_dataset: str
 ) -> None:
@@ -553,6 +565,7 @@ def small_tmpfs(path: Path, size_bytes: int) -> Iterator[Path]:
         subprocess.run(["umount", str(path)], check=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["off", "async"])
 def test_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_checkpoint(
     sync_run: tuple[list, Path], tiny_dataset: str, tmp_path: Path, mode: str

@@ -136,6 +136,7 @@ def test_help_lists_every_section(tmp_path: Path) -> None:
         assert key in result.stdout
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_with_the_step_or_is_skipped(
     tiny_dataset: str, tmp_path: Path
 ) -> None:
@@ -163,8 +164,12 @@ def test_nonfinite_loss_stops_with_the_step_or_is_skipped(
     ("config", "nodes", "per_node", "mesh"),
     [
         ("configs/debug.toml", 1, 4, "dp_replicate=1 x dp_shard=4"),
-        ("configs/llama3_8b.toml", 2, 8, "dp_replicate=2 x dp_shard=8"),
-        ("configs/llama3_70b.toml", 16, 8, "dp_replicate=4 x dp_shard=32"),
+        pytest.param(
+            "configs/llama3_8b.toml", 2, 8, "dp_replicate=2 x dp_shard=8", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            "configs/llama3_70b.toml", 16, 8, "dp_replicate=4 x dp_shard=32", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_shipped_configs_resolve_on_their_intended_clusters(

@@ -73,7 +73,10 @@ def gathered_bytes(fp8: bool, dp_replicate: int) -> list[tuple[str, int]]:
     return seen
 
 
-@pytest.mark.parametrize(("world", "dp_replicate"), [(2, 1), (4, 2)], ids=["fsdp-1x2", "hsdp-2x2"])
+@pytest.mark.parametrize(
+    ("world", "dp_replicate"),
+    [pytest.param(2, 1, id="fsdp-1x2"), pytest.param(4, 2, id="hsdp-2x2", marks=pytest.mark.slow)],
+)
 def test_fsdp_all_gathers_float8_weights(world: int, dp_replicate: int) -> None:
     """With fp8 each block's Linear weights cross the wire as 1-byte float8, norms as bf16."""
     shard = world // dp_replicate
@@ -207,6 +210,7 @@ def test_gpu_without_fp8_is_refused_unless_emulated(monkeypatch: pytest.MonkeyPa
     check_float8(Float8Config(enabled=True), "cuda")
 
 
+@pytest.mark.slow
 def test_importing_torchao_keeps_the_log_clean(tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -341,6 +345,7 @@ def test_fp8_with_activation_checkpointing_and_compile(tiny_dataset: str, tmp_pa
     torch.testing.assert_close(torch.tensor(combined), torch.tensor(eager), rtol=1e-3, atol=0)
 
 
+@pytest.mark.slow
 def test_rowwise_recipe_trains_and_tracks_tensorwise(tiny_dataset: str, tmp_path: Path) -> None:
     """The rowwise recipe (per-row scales; bf16 all-gather) trains like tensorwise."""
     from tests.test_train import train_losses

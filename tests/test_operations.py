@@ -132,6 +132,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
     assert (tmp_path / "debug" / "checkpoints" / f"step-{stopped.group(1)}" / "COMPLETE").is_file()
 
 
+@pytest.mark.slow
 def test_second_trainer_on_a_run_folder_in_use_gets_one_line(
     tiny_dataset: str, tmp_path: Path
 ) -> None:
@@ -197,6 +198,7 @@ def test_resume_applies_what_may_change_and_rejects_what_may_not(
         assert "config error: resuming" in line and shown in line, line
 
 
+@pytest.mark.slow
 def test_early_checks_before_any_rank_starts(tiny_dataset: str, tmp_path: Path) -> None:
     # An fp8.skip entry that matches no layer would silently convert the layer meant to stay.
     result = train_cli(argv(tiny_dataset, tmp_path, "--fp8.enabled=true", "--fp8.skip=outptu"))
@@ -210,6 +212,7 @@ def test_early_checks_before_any_rank_starts(tiny_dataset: str, tmp_path: Path) 
     assert result.returncode == 2 and "already has checkpoints" in result.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_needs_no_data(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "train.py", "configs/llama3_8b.toml", "--dry-run",

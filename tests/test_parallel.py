@@ -117,8 +117,10 @@ def sharded_weights(
 @pytest.mark.parametrize(
     ("world", "dp_replicate", "args", "whole", "tp"),
     [(1, 1, ARGS, False, 1), (4, 1, ARGS, False, 1), (4, 2, ARGS, False, 1),
-     (4, 1, UNEVEN, False, 1), (4, 1, UNEVEN, True, 1), (4, 1, ARGS, False, 2),
-     (8, 2, ARGS, False, 2)],
+     pytest.param(4, 1, UNEVEN, False, 1, marks=pytest.mark.slow),
+     pytest.param(4, 1, UNEVEN, True, 1, marks=pytest.mark.slow),
+     (4, 1, ARGS, False, 2),
+     pytest.param(8, 2, ARGS, False, 2, marks=pytest.mark.slow)],
     ids=["1", "fsdp-4", "hsdp-2x2", "fsdp-4-uneven", "fsdp-4-uneven-whole-draw",
          "fsdp-2-tp-2", "hsdp-2x2-tp-2"],
 )  # fmt: skip

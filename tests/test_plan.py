@@ -110,16 +110,25 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("nodes", "options"),
     [
-        (1, []),
-        (2, []),
-        (
+        pytest.param(1, [], id="fsdp-1x4", marks=pytest.mark.slow),
+        pytest.param(2, [], id="hsdp-2x2"),
+        pytest.param(
             1,
             ["--parallel.reshard_after_forward=always", "--ac.mode=full", "--model.vocab_size=510"],
+            id="fsdp-always-ac",
+            marks=pytest.mark.slow,
         ),
-        (2, ["--parallel.reshard_after_forward=never", "--ac.mode=op"]),
-        (2, ["--fp8.enabled=true", "--fp8.filter=none"]),  # the tiny layers: all converted
+        pytest.param(
+            2,
+            ["--parallel.reshard_after_forward=never", "--ac.mode=op"],
+            id="hsdp-never-op-ac",
+            marks=pytest.mark.slow,
+        ),
+        # The tiny layers: all converted.
+        pytest.param(
+            2, ["--fp8.enabled=true", "--fp8.filter=none"], id="hsdp-fp8", marks=pytest.mark.slow
+        ),
     ],
-    ids=["fsdp-1x4", "hsdp-2x2", "fsdp-always-ac", "hsdp-never-op-ac", "hsdp-fp8"],
 )
 def test_planner_matches_instrumented_collectives(
     tiny_dataset: str, tmp_path: Path, nodes: int, options: list[str]

@@ -455,6 +455,7 @@ def test_trainer_init_from_hf_equals_load_model_only(
     )
 
 
+@pytest.mark.slow
 def test_trainer_golden_losses_debug_flavor(tiny_dataset: str, tmp_path: Path) -> None:
     """The debug flavor's first 20 losses match tests/golden/qwen3_debug_losses.json.
 
@@ -480,7 +481,9 @@ def test_trainer_golden_losses_debug_flavor(tiny_dataset: str, tmp_path: Path) -
     ("config", "nodes", "per_node", "mesh"),
     [
         ("configs/qwen3_debug.toml", 1, 4, "dp_replicate=1 x dp_shard=4"),
-        ("configs/qwen3_8b.toml", 2, 8, "dp_replicate=2 x dp_shard=8"),
+        pytest.param(
+            "configs/qwen3_8b.toml", 2, 8, "dp_replicate=2 x dp_shard=8", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_shipped_configs_resolve_on_their_intended_clusters(
@@ -500,7 +503,7 @@ def test_shipped_configs_resolve_on_their_intended_clusters(
     assert mesh in result.stdout
 
 
-@pytest.mark.parametrize("ac", ["op", "full"])
+@pytest.mark.parametrize("ac", ["op", pytest.param("full", marks=pytest.mark.slow)])
 def test_trainer_activation_checkpointing_keeps_the_losses(
     tiny_dataset: str, tmp_path: Path, ac: str
 ) -> None:

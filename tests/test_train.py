@@ -77,14 +77,20 @@ def test_bf16_mixed_precision_tracks_fp32(tiny_dataset: str, tmp_path: Path) -> 
     assert_close(bf16, fp32, rtol=5e-3)
 
 
-def test_gradient_accumulation_equals_large_batch(tiny_dataset: str, tmp_path: Path) -> None:
-    """4 micro-batches of size 2 give the losses of one batch of 8."""
+def test_gradient_accumulation_and_two_ranks_equal_large_batch(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """4 micro-batches of size 2 give the losses of one batch of 8, and so does FSDP over 2
+    ranks with 4 each (the quick tier's multi-rank parity; the 4-rank meshes are above)."""
     steps = ["--train.steps=5"]
     accum = run(tiny_dataset, tmp_path, 1, 1, FP32 + steps + ["--train.micro_batch_size=2"])
     large = run(tiny_dataset, tmp_path, 1, 1, FP32 + steps + ["--train.micro_batch_size=8"])
+    fsdp = run(tiny_dataset, tmp_path, 2, 1, FP32 + steps + ["--train.micro_batch_size=4"])
     assert_close(accum, large, rtol=1e-6)
+    assert_close(fsdp, large, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_rerun_is_bitwise_deterministic(tiny_dataset: str, tmp_path: Path) -> None:
     steps = ["--train.steps=3", "--train.micro_batch_size=4"]
     first = run(tiny_dataset, tmp_path, 2, 1, FP32 + steps)
@@ -92,6 +98,7 @@ def test_rerun_is_bitwise_deterministic(tiny_dataset: str, tmp_path: Path) -> No
     assert first == second
 
 
+@pytest.mark.slow
 def test_profile_step_writes_trace_and_table_per_rank(tiny_dataset: str, tmp_path: Path) -> None:
     """metrics.profile_step=2 profiles step 2 on both ranks and leaves the losses unchanged."""
     steps = ["--train.steps=3", "--train.micro_batch_size=2"]
