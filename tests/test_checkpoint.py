@@ -93,9 +93,9 @@ class _SlowWriter(ChecksummingWriter):
 
 
 def train_with_slow_writer(args: list[str]) -> list[float]:
-    import checkpoint.manager
+    import checkpoint.checkpointer
 
-    checkpoint.manager.ChecksummingWriter = _SlowWriter  # what it builds; only in this rank
+    checkpoint.checkpointer.ChecksummingWriter = _SlowWriter  # what it builds; only in this rank
     return train_losses(args)
 
 
@@ -144,9 +144,9 @@ class _KillingWriter(ChecksummingWriter):
 
 
 def train_and_get_killed(args: list[str]) -> list[float]:
-    import checkpoint.manager
+    import checkpoint.checkpointer
 
-    checkpoint.manager.ChecksummingWriter = _KillingWriter  # only in this rank's process
+    checkpoint.checkpointer.ChecksummingWriter = _KillingWriter  # only in this rank's process
     return train_losses(args)
 
 
@@ -158,7 +158,7 @@ def test_kill_during_save_resumes_from_previous_checkpoint(
     """`kill -9` of rank 1 in the middle of the step-4 save; `resume=auto` then takes step 2.
 
     To make the kill land inside the save every time, without timing and without hooks in
-    production code, rank 1 kills itself: the manager builds its writer as
+    production code, rank 1 kills itself: the Checkpointer builds its writer as
     `ChecksummingWriter(path)`, which the ranks of this run replace with a subclass that
     writes its data and then sends itself SIGKILL while saving step 4. Rank 0 is then blocked
     in DCP's final gather and fails; nobody writes step 4's metadata or COMPLETE marker."""

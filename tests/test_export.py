@@ -540,7 +540,7 @@ def test_config_json_takes_token_ids_from_the_runs_dataset(
 
 def test_help_example_is_the_quick_start_checkpoint(capsys: pytest.CaptureFixture) -> None:
     """`--help` shows the export of the checkpoint that training configs/debug.toml leaves."""
-    from checkpoint.manager import checkpoint_folder, step_dir
+    from checkpoint import checkpoint_folder, step_dir
     from configs import parse_config
     from train import JobConfig
 
