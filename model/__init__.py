@@ -15,8 +15,15 @@ What the trainer may assume, and nothing more:
 - **Construction.** `build_model(args)` constructs the model under the caller's default device:
   the trainer builds on `meta`, applies parallelism, calls `to_empty`, then `init_weights`.
   Model code is single-device: it never imports `torch.distributed`.
-- **The model** (`TrainableModel`): `forward(tokens (batch, seq) int64) -> logits (batch, seq,
-  vocab)`; `init_weights(seed, rope_len, assign)` fills every parameter from the seed alone,
+- **The model** (`TrainableModel`): `forward(tokens, document_ids=None, positions=None) ->
+  logits (batch, seq, vocab)`, tokens (batch, seq) int64. `document_ids` (batch, seq), the
+  document of each token, nondecreasing along the sequence (data/documents.py): a token attends
+  only to earlier tokens of its own document; None: to every earlier token (plain causal).
+  `positions` (batch, seq): each token's position for RoPE; None: 0..seq-1. A family passes
+  both to `model.attention.document_mask` and `attention` (the shared dispatch: SDPA, the
+  chunked CPU kernel, FlexAttention on GPUs) and indexes its RoPE table with `positions`; one
+  that cannot mask documents raises on `document_ids`.
+  `init_weights(seed, rope_len, assign)` fills every parameter from the seed alone,
   identically on any mesh and device, storing each value through `assign` (the sharded trainer
   keeps only its shard) and (re)builds non-persistent buffers such as the RoPE table for
   sequences up to `rope_len`; `init_buffers(rope_len)` rebuilds only those buffers (after
@@ -34,7 +41,9 @@ What the trainer may assume, and nothing more:
   segment, e.g. `layers.*.attention.wq`) -> a `TPStyle` below, plain data that
   `parallel/tp.py` turns into `torch.distributed.tensor.parallel` styles. Every parameter must
   be covered. With tp > 1 the attention sees n_heads / tp local heads, so it must size its
-  reshapes from the tensor (`view(b, s, -1, head_dim)`), never from `n_heads`.
+  reshapes from the tensor (`view(b, s, -1, head_dim)`), never from `n_heads`. A
+  "gather_input" module takes its inputs positionally, all of them on every call (the RoPE
+  rows and the mask follow the activations untouched).
 """
 
 from __future__ import annotations
@@ -173,7 +182,12 @@ class ModelArgs(Protocol):
 class TrainableModel(Protocol):
     args: Any
 
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor: ...
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
     def init_weights(
         self, seed: int = 0, rope_len: int | None = None, assign: Assign | None = None
