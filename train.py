@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +36,7 @@ from checkpoint import (
 )
 from checkpoint.hf import load_hf_weights
 from configs import ConfigError, HelpRequested, config_to_toml, parse_config
+from data.documents import MicroBatch, micro_batch
 from data.loader import (
     DataConfig,
     build_dataloader,
@@ -211,14 +213,14 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 def summed_loss(
     model: torch.nn.Module,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
+    batch: MicroBatch,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
 ) -> torch.Tensor:
     """The model's summed loss on one micro-batch (`loss_fn`: possibly the compiled one).
     At tp > 1 call it under `loss_context`: the loss is then a DTensor holding the whole value
     on every tp rank, returned as a plain tensor (its backward still runs through DTensor)."""
-    loss = loss_fn(model(inputs), targets)
+    logits = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions)
+    loss = loss_fn(logits, batch.targets)
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
@@ -304,6 +306,9 @@ def _train(
         optimizer, lambda step: lr_lambda(step, job.optim, t.steps)
     )
     loader = build_loader(job, plan, "train", dp_rank, dp_size)
+    # A loader's (inputs, targets) on the device, with their document ids and targets under
+    # data.attention_mask="document" (data/documents.py): derived per micro-batch, on the device.
+    to_batch = partial(micro_batch, cfg=job.data, eos_id=plan.dataset.eos_id, device=device)
 
     # Resume: everything that changes during training is a Stateful in one dict, loaded in
     # place before the loader is iterated (DCP reshards it onto this mesh).
@@ -349,18 +354,17 @@ def _train(
 
     for step in range(progress.step + 1, t.steps + 1):
         # All micro-batches up front: their target count fixes the loss normalization.
-        micro_batches = [next(batches) for _ in range(plan.grad_accum_steps)]
-        micro_batches = [(x.to(device), y.to(device)) for x, y in micro_batches]
+        micro_batches = [to_batch(*next(batches)) for _ in range(plan.grad_accum_steps)]
         data_time = timer.lap()
         # Normalize by the *global* number of target tokens of the step, so the loss and the
         # gradients are the same for any micro-batching and any mesh shape.
-        global_tokens = sum((y != -100).sum() for _, y in micro_batches).float()
+        global_tokens = sum((b.targets != -100).sum() for b in micro_batches).float()
         dist.all_reduce(global_tokens)
 
         # One step (by default none) under torch.profiler: see metrics.profile_step.
         with profile_step(job.metrics, step, run_dir, env.rank):
             loss_sum = torch.zeros((), device=device)
-            for i, (inputs, targets) in enumerate(micro_batches):
+            for i, batch in enumerate(micro_batches):
                 last = i == plan.grad_accum_steps - 1
                 # Reduce-scatter (and the HSDP all-reduce) only after the last micro-batch;
                 # earlier ones accumulate unsharded gradients locally, with no communication.
@@ -370,7 +374,7 @@ def _train(
                     # through backward adds nothing to the peak.
                     model.set_reshard_after_backward(last)
                 with loss_context(plan.tp):
-                    loss = summed_loss(model, inputs, targets, loss_fn) / global_tokens
+                    loss = summed_loss(model, batch, loss_fn) / global_tokens
                     # FSDP averages gradients over the dp ranks; our loss is already a global
                     # mean, so scale by dp_size to turn that average into the sum we want. Each
                     # of the tp ranks of a dp rank counted the same targets into global_tokens:
@@ -422,7 +426,7 @@ def _train(
             val = build_loader(job, plan, "val", dp_rank, dp_size)
             n_val = t.eval_batches * plan.grad_accum_steps
             with loss_context(plan.tp):
-                val_loss = evaluate(model, val, n_val, device, loss_fn)
+                val_loss = evaluate(model, val, n_val, to_batch, loss_fn)
             metrics.log(step, {"loss/val": val_loss})
             timer.lap()  # evaluation time is not training throughput
         # After the optimizer step, so the checkpoint of step N holds N updates. A stop
@@ -478,17 +482,18 @@ def evaluate(
     model: torch.nn.Module,
     loader: Iterable,
     micro_batches: int,
-    device: torch.device,
+    to_batch: Callable[[torch.Tensor, torch.Tensor], MicroBatch],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
 ) -> float:
     """Mean loss per target token over the first `micro_batches` of a validation loader, over
-    all data-parallel ranks."""
-    totals = torch.zeros(2, device=device)
+    all data-parallel ranks. `to_batch`: as in training (device, document masking)."""
     batches = iter(loader)
+    losses, targets = [], []
     for _ in range(micro_batches):
-        inputs, targets = (x.to(device) for x in next(batches))
-        totals[0] += summed_loss(model, inputs, targets, loss_fn)
-        totals[1] += (targets != -100).sum()
+        batch = to_batch(*next(batches))
+        losses.append(summed_loss(model, batch, loss_fn))
+        targets.append((batch.targets != -100).sum())
+    totals = torch.stack([torch.stack(losses).sum(), torch.stack(targets).sum().float()])
     dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
 

@@ -100,6 +100,7 @@ def special_token_ids(config: dict) -> tuple[int | None, int | None]:
         try:
             index = read_index(data_path)
             bos_id, eos_id = index.bos_id, index.eos_id
+            reason = f"{index_file} has eos_id null"  # documents not delimited: no EOS
         except ConfigError as e:
             reason = str(e)
     if eos_id is None:

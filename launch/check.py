@@ -30,6 +30,7 @@ from checkpoint import ResumePoint, check_resume, checkpoint_folder, list_step_d
 from checkpoint.hf import check_hf_config
 from checkpoint.state import CONFIG, read_run_config
 from configs import ConfigError, config_to_dict, config_to_toml
+from data.documents import check_documents
 from data.loader import DatasetIndex, check_eval_split, open_dataset
 from launch.plan import format_plan
 from model import ModelConfig, ModelFamily, get_family
@@ -128,6 +129,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
 
 
 def check_dataset(job: JobConfig, args: Any, dataset: DatasetIndex) -> None:
+    check_documents(job.data, dataset)  # document masking needs an EOS id
     if dataset.vocab_size > args.vocab_size:
         raise ConfigError(
             f"model.vocab_size ({args.vocab_size}) is smaller than the dataset's tokenizer "
@@ -153,7 +155,8 @@ def check_dataset(job: JobConfig, args: Any, dataset: DatasetIndex) -> None:
 # What a resume may change: everything not listed here is applied (and listed in the log).
 # These would change the model's math or the data stream under a running optimizer, so a
 # resume that changes them is an error (start a new run, or fine-tune with load_model_only).
-RESUME_FIXED = ("data.path", "data.seq_len", "data.num_workers", "train.seed")
+RESUME_FIXED = ("data.path", "data.seq_len", "data.num_workers", "data.attention_mask",
+                "data.document_positions", "train.seed")  # fmt: skip
 # Not settings of the run's math: where it lives and how it was started.
 RESUME_IGNORED = ("run.", "dry_run", "checkpoint.resume", "checkpoint.load_model_only",
                   "checkpoint.init_from_hf")  # fmt: skip

@@ -240,6 +240,7 @@ def test_load_model_only_starts_at_step_0_with_the_weights(
     sync_run: tuple[list, Path], tiny_dataset: str
 ) -> None:
     """A new run (1 process) from the 2-rank checkpoint's weights: fresh steps and data."""
+    from data.documents import MicroBatch
     from data.loader import build_dataloader
     from model.llama import Transformer, build_args
 
@@ -260,7 +261,8 @@ def test_load_model_only_starts_at_step_0_with_the_weights(
     loader = build_dataloader(job.data, "train", dp_rank=0, dp_size=1, micro_batch_size=8, seed=0)
     inputs, targets = next(iter(loader))
     with torch.no_grad():
-        expected = train.summed_loss(model, inputs, targets).item() / targets.numel()
+        batch = MicroBatch(inputs, targets)
+        expected = train.summed_loss(model, batch).item() / targets.numel()
     assert losses[0] == pytest.approx(expected, rel=1e-5)
 
 

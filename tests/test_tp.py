@@ -97,6 +97,7 @@ def grads_after_one_step(
     gradients are the 1-process ones. `compiled`: each block torch.compile'd, as train.py."""
     import torch
 
+    from data.documents import MicroBatch
     from model import canonical_name, get_family
     from parallel.compile import CompileConfig, apply_compile
     from parallel.dims import ParallelConfig
@@ -126,7 +127,7 @@ def grads_after_one_step(
     model.init_weights(seed=0, rope_len=16, assign=assign_local_shard)
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     with loss_context(dims[2]):  # the trainer's loss: split logits under loss parallel
-        loss = summed_loss(model, tokens, tokens) / tokens.numel()
+        loss = summed_loss(model, MicroBatch(tokens, tokens)) / tokens.numel()
         loss.backward()
     norm = clip_grad_norm(model, max_norm=0.1)
     grads = {
