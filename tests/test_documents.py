@@ -34,6 +34,7 @@ from train import JobConfig
 # dataset below; a vocabulary of 260 splits over tp 2.
 EOS, VOCAB, SEQ = 257, 260, 40
 CPU = torch.device("cpu")
+FAMILIES = ("llama3", "qwen3")  # a new family adds itself here (docs/forking.md)
 DOCUMENT = DataConfig(attention_mask="document")
 POSITIONS = DataConfig(attention_mask="document", document_positions=True)
 
@@ -126,7 +127,7 @@ def test_document_ids_first_token_rule_and_positions() -> None:
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "chunked"])
-@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_packed_window_equals_each_document_alone(name: str, impl: str) -> None:
     """fp32, 1 process: the per-token losses of two packed windows equal those of each of
     their documents alone, within 1e-5, with positions from the window start or restarted per
@@ -214,7 +215,7 @@ def losses_on_mesh(dims: tuple[int, int, int], val_path: str) -> dict[str, objec
     dp_rank, dp_size = dp_rank_and_size(mesh)
     data = DataConfig(path=val_path, seq_len=SEQ, attention_mask="document")
     out: dict[str, object] = {}
-    for name in ("llama3", "qwen3"):
+    for name in FAMILIES:
         family = get_family(name)
         with torch.device("meta"):
             model = build(name)
@@ -264,7 +265,7 @@ def test_sharded_meshes_equal_documents_alone_and_evaluate(
     document-masked validation loss, which differs from the causal one."""
     results = run_distributed(losses_on_mesh, 2, dims, short_docs)
     batch = window_batch()
-    for name in ("llama3", "qwen3"):
+    for name in FAMILIES:
         with torch.no_grad():
             alone = documents_alone(tiny_model(name), batch)
         document = expected_val_loss(name, short_docs, DOCUMENT)
