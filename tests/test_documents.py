@@ -260,17 +260,18 @@ def expected_val_loss(name: str, val_path: str, data: DataConfig) -> float:
 
 @pytest.mark.parametrize(
     "dims",
-    [(1, 2, 1), (1, 1, 2)],
-    ids=["fsdp2", "tp2"],
+    [(1, 2, 1), (1, 1, 2), pytest.param((2, 2, 1), marks=pytest.mark.slow)],
+    ids=["fsdp2", "tp2", "hsdp2x2"],
 )
 def test_sharded_meshes_equal_documents_alone_and_evaluate(
     short_docs: str, dims: tuple[int, int, int]
 ) -> None:
-    """FSDP over 2 ranks, or tensor parallel 2 (sequence parallel; document ids pass the
-    blocks' PrepareModuleInput untouched): each family's packed-window losses equal each
+    """FSDP over 2 ranks, tensor parallel 2 (sequence parallel; the mask passes the blocks'
+    PrepareModuleInput untouched) or HSDP 2x2: each family's packed-window losses equal each
     document alone (fp32, 1e-5), on every rank; and evaluate() gives the one-process
     document-masked validation loss, which differs from the causal one."""
-    results = run_distributed(losses_on_mesh, 2, dims, short_docs)
+    world = dims[0] * dims[1] * dims[2]
+    results = run_distributed(losses_on_mesh, world, dims, short_docs, nodes=dims[0])
     batch = window_batch()
     for name in FAMILIES:
         with torch.no_grad():
