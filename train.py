@@ -4,8 +4,9 @@
 
 The whole run reads top to bottom in `train()`: process group -> mesh -> model on meta ->
 shard -> materialize and init -> optimizer and schedule -> data -> resume -> loop and save.
-Configuration is checked by `launch.check.check_config()` on every rank before any process
-group exists, so a bad config is one error line on rank 0, never a hang.
+The config tree (`JobConfig`) is `launch/job.py`. It is checked by `launch.check.check_config()`
+on every rank before any process group exists, so a bad config is one error line on rank 0,
+never a hang.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -26,7 +25,6 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from checkpoint import (
-    CheckpointConfig,
     Checkpointer,
     CheckpointError,
     TrainState,
@@ -37,14 +35,17 @@ from checkpoint import (
 from checkpoint.hf import load_hf_weights
 from configs import ConfigError, HelpRequested, config_to_toml, parse_config
 from data.documents import MicroBatch, micro_batch
-from data.loader import (
-    DataConfig,
-    build_dataloader,
-)
+from data.loader import build_dataloader
 from launch.check import Plan, check_config, dry_run
-from launch.lifecycle import RunLock, StopRequest, exit_with_launcher, set_aside_earlier_attempt
+from launch.job import JobConfig, OptimizerConfig
+from launch.lifecycle import (
+    RunLock,
+    StopRequest,
+    exit_with_launcher,
+    set_aside_earlier_attempt,
+    setup_logging,
+)
 from launch.metrics import (
-    MetricsConfig,
     MetricsLogger,
     RunSummary,
     ThroughputMeter,
@@ -53,109 +54,16 @@ from launch.metrics import (
     peak_tflops,
     profile_step,
 )
-from model import ModelConfig, count_params
-from parallel.ac import ActivationCheckpointConfig, apply_ac
-from parallel.compile import CompileConfig, apply_compile, compile_loss
-from parallel.dims import LaunchEnv, ParallelConfig
-from parallel.float8 import (
-    Float8Config,
-    apply_float8,
-    precompute_float8_scales,
-)
+from model import count_params
+from parallel.ac import apply_ac
+from parallel.compile import apply_compile, compile_loss
+from parallel.dims import LaunchEnv
+from parallel.float8 import apply_float8, precompute_float8_scales
 from parallel.fsdp import apply_fsdp, assign_local_shard, reshard_plan
 from parallel.runtime import build_mesh, dp_mesh, dp_rank_and_size, init_distributed, pick_device
 from parallel.tp import apply_tp, loss_context
 
 logger = logging.getLogger("train")
-
-
-@dataclass
-class RunConfig:
-    name: str = "debug"
-    """Run name: outputs go to <output_dir>/<name>/."""
-    output_dir: str = "outputs"
-    """Parent directory of run directories."""
-
-
-@dataclass
-class OptimizerConfig:
-    lr: float = 3e-4
-    """Peak learning rate, reached at the end of warm-up."""
-    min_lr_ratio: float = 0.1
-    """The schedule decays to lr * min_lr_ratio at the last step."""
-    warmup_steps: int = 20
-    """Steps of linear warm-up from lr / warmup_steps to lr."""
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    """Shape of the decay after warm-up."""
-    weight_decay: float = 0.1
-    """AdamW decoupled weight decay, for matrices only (norm gains are never decayed)."""
-    beta1: float = 0.9
-    """AdamW beta1."""
-    beta2: float = 0.95
-    """AdamW beta2."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
-    """AdamW kernel: 'auto' = fused (one kernel for all parameters), the fastest everywhere."""
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ConfigError(
-                f"optim: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0 "
-                f"(got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}, "
-                f"warmup_steps={self.warmup_steps})"
-            )
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 300
-    """Optimizer steps to run."""
-    global_batch_size: int = 32
-    """Sequences per optimizer step over all ranks. Fixed across meshes, so a run's math does
-    not change with the number of GPUs."""
-    micro_batch_size: int = 8
-    """Sequences per rank per forward/backward; gradient accumulation makes up the rest."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this (0 = no clipping; the norm is still logged)."""
-    seed: int = 0
-    """Seeds weights and data order: the same seed gives the same run on any mesh."""
-    on_nonfinite: Literal["error", "skip"] = "error"
-    """A NaN/inf loss or gradient norm stops the run ('error') or skips that update ('skip')."""
-    eval_interval: int = 100
-    """Compute the validation loss every this many steps and at the end (0 = never)."""
-    eval_batches: int = 4
-    """Global batches of the validation split per evaluation (at most what the split holds)."""
-    max_skipped_steps: int = 10
-    """With on_nonfinite='skip': stop with an error after this many skipped steps in a row."""
-    deterministic: bool = False
-    """torch.use_deterministic_algorithms: bitwise repeatable kernels, somewhat slower."""
-
-    def __post_init__(self) -> None:
-        names = ("steps", "global_batch_size", "micro_batch_size", "eval_batches")
-        for name in (*names, "max_skipped_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_interval < 0 or self.max_grad_norm < 0:
-            raise ConfigError("train: eval_interval and max_grad_norm must be >= 0")
-
-
-@dataclass
-class JobConfig:
-    run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    fp8: Float8Config = field(default_factory=Float8Config)
-    ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
-    compile: CompileConfig = field(default_factory=CompileConfig)
-    dry_run: bool = False
-    """Print the resolved config, mesh, parameter count, memory and communication plan, then
-    exit."""
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -515,46 +423,8 @@ def log_orientation(job: JobConfig, plan: Plan, run_dir: Path, ckpt_folder: Path
         logger.info("changed since the checkpoint, applied: %s", change)
 
 
-def setup_logging(rank: int) -> None:
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s [rank{rank}] %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-    )
-
-
 # Seconds the other ranks wait before exiting on an error that rank 0 reports.
 REPORT_GRACE_S = 2.0
-
-
-def validate(argv: list[str], env: LaunchEnv) -> int:
-    """Check a command line for the world a launcher is about to start, before any rank exists.
-
-    `python -m launch.check` runs this once per job: a config error (bad key, a mesh that does
-    not divide the world, missing data, a checkpoint that does not fit) then ends the job with
-    one line and exit status 2, instead of every rank failing and torchrun retrying it.
-    Returns 0 when the config is fine, else 2 after logging the one line.
-    """
-    try:
-        job = parse_config(JobConfig, argv)
-        check_config(job, env)
-        if not job.dry_run:  # a run folder in use: say so now, not after torchrun started
-            lock = RunLock(Path(job.run.output_dir) / job.run.name)
-            # A few tries: the checks of several nodes may probe a shared folder at once, each
-            # holding the lock for an instant; a trainer holds it for the whole run.
-            for _ in range(4):
-                if (refused := lock.acquire()) is None:
-                    break
-                time.sleep(0.5)
-            if refused:
-                raise ConfigError(refused)
-            lock.release()
-    except HelpRequested:
-        return 0
-    except ConfigError as err:
-        logger.error("config error: %s", err)
-        return 2
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,27 +20,27 @@ import argparse
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from checkpoint import ResumePoint, check_resume, checkpoint_folder, list_step_dirs
 from checkpoint.hf import check_hf_config
 from checkpoint.state import CONFIG, read_run_config
-from configs import ConfigError, config_to_dict, config_to_toml
+from configs import ConfigError, HelpRequested, config_to_dict, config_to_toml, parse_config
 from data.documents import check_documents
 from data.loader import DatasetIndex, check_eval_split, open_dataset
+from launch.job import JobConfig
+from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
 from model import ModelConfig, ModelFamily, get_family
 from parallel.dims import LaunchEnv, resolve_dims
 from parallel.float8 import check_float8, unmatched_skips
 from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
-
-if TYPE_CHECKING:
-    from train import JobConfig
 
 logger = logging.getLogger("launch.check")
 
@@ -255,6 +255,36 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
 # ---- python -m launch.check ------------------------------------------------------------------
 
 
+def validate(argv: list[str], env: LaunchEnv) -> int:
+    """Check a command line for the world a launcher is about to start, before any rank exists.
+
+    `python -m launch.check` runs this once per job: a config error (bad key, a mesh that does
+    not divide the world, missing data, a checkpoint that does not fit) then ends the job with
+    one line and exit status 2, instead of every rank failing and torchrun retrying it.
+    Returns 0 when the config is fine, else 2 after logging the one line.
+    """
+    try:
+        job = parse_config(JobConfig, argv)
+        check_config(job, env)
+        if not job.dry_run:  # a run folder in use: say so now, not after torchrun started
+            lock = RunLock(Path(job.run.output_dir) / job.run.name)
+            # A few tries: the checks of several nodes may probe a shared folder at once, each
+            # holding the lock for an instant; a trainer holds it for the whole run.
+            for _ in range(4):
+                if (refused := lock.acquire()) is None:
+                    break
+                time.sleep(0.5)
+            if refused:
+                raise ConfigError(refused)
+            lock.release()
+    except HelpRequested:
+        return 0
+    except ConfigError as err:
+        logger.error("config error: %s", err)
+        return 2
+    return 0
+
+
 def check_network(environ: dict[str, str], nodes: int) -> str | None:
     """Log the interface the ranks will use; returns the one-line problem, if any."""
     import socket
@@ -278,10 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default world-size / nnodes)")  # fmt: skip
     args, train_argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
 
-    import train  # after argument parsing: it imports torch, which takes seconds
-    from parallel.dims import LaunchEnv
-
-    train.setup_logging(0)
+    setup_logging(0)
     if problem := check_network(dict(os.environ), args.nnodes):
         logger.error("network error: %s", problem)
         return 2
@@ -292,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         local_world_size=args.local_world_size or args.world_size // max(1, args.nnodes),
         num_nodes=args.nnodes,
     )
-    return train.validate(train_argv, env)
+    return validate(train_argv, env)
 
 
 if __name__ == "__main__":

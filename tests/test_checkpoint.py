@@ -25,6 +25,7 @@ import train
 from checkpoint import COMPLETE
 from checkpoint.integrity import ChecksummingWriter, check_files, read_manifest, verify_files
 from launch.check import check_config
+from launch.job import JobConfig
 from parallel.dims import LaunchEnv
 from tests.distributed import run_distributed
 from tests.test_cli import run_cli
@@ -181,10 +182,10 @@ def test_kill_during_save_resumes_from_previous_checkpoint(
     assert (partial / COMPLETE).is_file()  # saved again, over the partial directory
 
 
-def parse(args: list[str]) -> train.JobConfig:
+def parse(args: list[str]) -> JobConfig:
     from configs import parse_config
 
-    return parse_config(train.JobConfig, args)
+    return parse_config(JobConfig, args)
 
 
 @pytest.mark.slow

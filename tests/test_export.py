@@ -542,7 +542,7 @@ def test_help_example_is_the_quick_start_checkpoint(capsys: pytest.CaptureFixtur
     """`--help` shows the export of the checkpoint that training configs/debug.toml leaves."""
     from checkpoint import checkpoint_folder, step_dir
     from configs import parse_config
-    from train import JobConfig
+    from launch.job import JobConfig
 
     job = parse_config(JobConfig, [str(Path(__file__).parents[1] / "configs" / "debug.toml")])
     run_dir = Path(job.run.output_dir) / job.run.name

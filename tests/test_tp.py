@@ -58,8 +58,8 @@ def test_model_that_tp_cannot_split_is_a_config_error(
     """Checked in check_config, before any process group: one line with every number."""
     from configs import parse_config
     from launch.check import check_config
+    from launch.job import JobConfig
     from tests.test_train import TINY
-    from train import JobConfig
 
     argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY]
     overrides = [override] if isinstance(override, str) else override
@@ -314,10 +314,10 @@ def test_planner_matches_measured_tp_bytes(tiny_dataset: str, tmp_path: Path, ac
     """(dp_shard 2, tp 2), one step of 2 micro-batches: the FSDP bytes per dim, the TP
     activation bytes and the sharded state per rank as the planner says."""
     from configs import parse_config
+    from launch.job import JobConfig
     from model import get_family
     from parallel.plan import model_shape, plan_communication, plan_memory
     from tests.test_train import TINY
-    from train import JobConfig
 
     argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
             "--train.steps=1", "--train.micro_batch_size=2", "--parallel.tp=2",
