@@ -54,7 +54,7 @@ from launch.metrics import (
     peak_tflops,
     profile_step,
 )
-from model import count_params
+from model import count_params, get_hf_mapping
 from parallel.ac import apply_ac
 from parallel.compile import apply_compile, compile_loss
 from parallel.dims import LaunchEnv
@@ -202,7 +202,8 @@ def _train(
     apply_fsdp(model, plan.family.fsdp_units(model), dp_mesh(mesh), job.parallel)
     model.to_empty(device=device)
     if job.checkpoint.init_from_hf and plan.resume is None:
-        load_hf_weights(model, plan.family.hf, job.checkpoint.init_from_hf, job.data.seq_len)
+        mapping = get_hf_mapping(job.model.name)  # checked by check_config
+        load_hf_weights(model, mapping, job.checkpoint.init_from_hf, job.data.seq_len)
     else:  # random init, also when a checkpoint is about to overwrite it (it sets the RoPE table)
         model.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
     n_params = count_params(model)

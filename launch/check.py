@@ -36,7 +36,7 @@ from data.loader import DatasetIndex, check_eval_split, open_dataset
 from launch.job import JobConfig
 from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
-from model import ModelConfig, ModelFamily, get_family
+from model import ModelConfig, ModelFamily, get_family, get_hf_mapping
 from parallel.dims import LaunchEnv, resolve_dims
 from parallel.float8 import check_float8, unmatched_skips
 from parallel.plan import model_shape, plan_communication, plan_memory
@@ -90,9 +90,9 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()
     check_float8(job.fp8, "cuda" if on_gpu else "cpu")
     if job.checkpoint.init_from_hf:
-        if family.hf is None:
+        if (mapping := get_hf_mapping(job.model.name)) is None:
             raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
-        check_hf_config(family.hf, args, job.checkpoint.init_from_hf)
+        check_hf_config(mapping, args, job.checkpoint.init_from_hf)
     with torch.device("meta"):  # no memory: for the shapes and layer names
         meta_model = family.build_model(args)
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing

@@ -389,10 +389,3 @@ def flops_per_token(model: Transformer, seq_len: int) -> int:
     if not args.tie_embeddings:  # tied, the matrix is also the output projection's
         n -= model.tok_embeddings.weight.numel()
     return 6 * n + 12 * args.n_layers * args.dim * seq_len
-
-
-# The Hugging Face mapping (model.HFMapping): model/llama_hf.py. Imported last: it imports
-# this module's args.
-from model import llama_hf  # noqa: E402
-
-hf = llama_hf

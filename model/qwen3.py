@@ -10,8 +10,9 @@ Qwen3 is Llama 3's decoder with four changes, each marked `# Qwen3:` below:
 - the FFN size is a fixed `ffn_dim` (HF's intermediate_size), not derived from dim.
 
 Parameter names, the init policy and the contract functions (`build_args`, `build_model`,
-`fsdp_units`, `fp8_linears`, `flops_per_token`, `hf`) follow `model/llama.py`, so the trainer,
-`parallel/` and `checkpoint/` treat both families alike.
+`fsdp_units`, `fp8_linears`, `flops_per_token`) follow `model/llama.py`, so the trainer,
+`parallel/` and `checkpoint/` treat both families alike. The Hugging Face mapping is
+`model/qwen3_hf.py`, named in `model.HF_MAPPINGS`.
 """
 
 from __future__ import annotations
@@ -332,10 +333,3 @@ def flops_per_token(model: Qwen3, seq_len: int) -> int:
     if not args.tie_embeddings:
         n -= model.tok_embeddings.weight.numel()
     return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
-
-
-# The Hugging Face mapping (model.HFMapping): model/qwen3_hf.py. Imported last: it imports
-# this module's args.
-from model import qwen3_hf  # noqa: E402
-
-hf = qwen3_hf
