@@ -62,6 +62,7 @@ from parallel.float8 import apply_float8, precompute_float8_scales
 from parallel.fsdp import apply_fsdp, assign_local_shard, reshard_plan
 from parallel.runtime import build_mesh, dp_mesh, dp_rank_and_size, init_distributed, pick_device
 from parallel.tp import apply_tp, loss_context
+from parallel.workarounds import tp_compile_workarounds
 
 logger = logging.getLogger("train")
 
@@ -188,10 +189,12 @@ def _train(
         apply_tp(model, plan.family, mesh["tp"], float8_collectives=fp8_comm)
     # AC before compile, so the compiled block includes its recompute; compile before FSDP, so
     # its collectives stay outside compiled code. Each asks the family for the blocks anew: the
-    # step before may have wrapped them. Except at tp > 1 with whole-block AC: torch 2.13
-    # cannot compile a checkpointed block with DTensor ops (AOTAutograd saves a DeviceMesh
-    # among its tensors), so the compiled block is checkpointed instead: same numbers.
-    if plan.tp > 1 and job.ac.mode in ("full", "selective"):
+    # step before may have wrapped them. Compiled blocks at tp > 1 need torch workarounds,
+    # one of which reverses that order for whole-block AC (parallel/workarounds.py).
+    compile_first = tp_compile_workarounds(
+        model, plan.family, plan.tp, job.compile.enabled, job.ac.mode
+    )
+    if compile_first:
         apply_compile(model, plan.family.fsdp_units(model), job.compile)
         apply_ac(model, plan.family.fsdp_units(model), job.ac)
     else:
