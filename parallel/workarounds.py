@@ -14,7 +14,7 @@ Both concern tensor parallel with compiled blocks, seen on torch 2.13 (CPU/gloo)
    whole, with DTensor ops inside, fails at its first forward: AOTAutograd's partitioner puts
    the DeviceMesh of the recomputed redistributions among the saved tensors ("expected all
    tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"). No torch issue was found
-   for it (the search: that message). Op-level AC compiles fine; so does checkpointing the
+   for it; search for that message. Op-level AC compiles fine; so does checkpointing the
    compiled block, which recomputes the same ops and gives the same numbers.
 """
 
