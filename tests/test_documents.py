@@ -21,6 +21,7 @@ from configs import ConfigError, parse_config
 from data.documents import MicroBatch, document_ids, document_positions, micro_batch
 from data.loader import DataConfig
 from launch.check import check_config
+from launch.job import JobConfig
 from model import ModelConfig, get_family
 from parallel.ac import ActivationCheckpointConfig, apply_ac
 from parallel.compile import CompileConfig, apply_compile
@@ -28,7 +29,6 @@ from parallel.dims import LaunchEnv
 from tests.conftest import WORDS
 from tests.distributed import run_distributed
 from tests.test_train import FP32, TINY, assert_close, run
-from train import JobConfig
 
 # The byte tokenizer's EOS (data/tokenizer.py), so the same tiny model reads the prepared
 # dataset below; a vocabulary of 260 splits over tp 2.

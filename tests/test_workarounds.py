@@ -24,6 +24,7 @@ Outcome = dict[str, torch.Tensor | None] | str  # gradients by parameter name, o
 
 def _outcome(build: Callable[[], torch.nn.Module]) -> Outcome:
     """One forward and backward of the trainer's loss (loss parallel) on a fixed batch."""
+    from data.documents import MicroBatch
     from model import canonical_name
     from parallel.tp import loss_context
     from train import summed_loss
@@ -33,7 +34,7 @@ def _outcome(build: Callable[[], torch.nn.Module]) -> Outcome:
         model = build()
         tokens = torch.arange(16).view(2, 8)
         with loss_context(2):
-            summed_loss(model, tokens, tokens.roll(-1, dims=1)).backward()
+            summed_loss(model, MicroBatch(tokens, tokens.roll(-1, dims=1))).backward()
     except Exception as err:  # noqa: BLE001 - the bug may be an error; which one may change
         text = str(err)  # the start and the end (where a type list names DeviceMesh)
         return f"{type(err).__name__}: {text[:150]} ... {text[-150:]}"
