@@ -154,8 +154,17 @@ def set_aside_earlier_attempt(run_dir: Path) -> None:
     leftovers = [p for p in (run_dir / "config.toml", run_dir / "tensorboard") if p.exists()]
     if not leftovers:
         return
-    dest = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
-    dest.mkdir(parents=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    # Two starts within one second (a crash loop, a quick retry) must not collide: -2, -3, ...
+    dest, n = run_dir / "previous" / stamp, 1
+    (run_dir / "previous").mkdir(exist_ok=True)
+    while True:
+        try:
+            dest.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+            dest = run_dir / "previous" / f"{stamp}-{n}"
     for path in leftovers:
         path.rename(dest / path.name)
     logger.warning(
