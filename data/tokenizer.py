@@ -97,7 +97,13 @@ class HFTokenizer:
         if not file.is_file():
             raise ConfigError(f"data tokenizer: no tokenizer file at '{file}'")
         self.path = str(file.resolve())
-        self._tok: Any = _HFTokenizer.from_file(self.path)
+        try:
+            self._tok: Any = _HFTokenizer.from_file(self.path)
+        except Exception as e:  # the Rust side raises a bare Exception: bad JSON, unknown model
+            reason = " ".join(str(e).split())
+            raise ConfigError(
+                f"data tokenizer: '{file}' is not a valid tokenizer.json ({reason})"
+            ) from e
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id: int = self._find_eos(eos_token)
         self.bos_id: int | None = next(
