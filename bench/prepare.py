@@ -1,6 +1,6 @@
 """Tokens/s per core of data.prepare against a plain `tokenizers` encode_batch, 1 and 2 workers.
 
-    python bench/prepare.py                      # the stdlib corpus (~31 MB), 3 rounds: ~6 min
+    python bench/prepare.py                      # the stdlib corpus (~31 MB), 3 rounds: ~5 min
     python bench/prepare.py --rounds 1 --workers 1,2,4
 
 The documents are the quick start's corpus (this Python's standard-library *.py files). Two
@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -55,7 +54,7 @@ def _documents() -> list[bytes]:
     return [doc for path, _ in files if (doc := path.read_bytes())]
 
 
-def _train_bpe(texts: list[str], vocab: int, path: Path) -> Any:
+def _train_bpe(texts: list[str], vocab: int, path: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -67,20 +66,25 @@ def _train_bpe(texts: list[str], vocab: int, path: Path) -> Any:
     )  # fmt: skip
     tok.train_from_iterator(texts, trainer)
     tok.save(str(path))
-    return tok
 
 
-def _bytes_as_tokenizers_bpe() -> Any:
+def _bytes_as_tokenizers_bpe(path: Path) -> None:
     """A `tokenizers` BPE with the 256 byte symbols and no merges: one token per byte."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    return tok
+    tok.save(str(path))
 
 
-def _encode_batch(tok: Any, texts: list[str], method: str, threads: str) -> tuple[int, float, str]:
+def _encode_batch(
+    path: Path, texts: list[str], method: str, threads: str
+) -> tuple[int, float, str]:
+    from tokenizers import Tokenizer
+
+    # Loaded afresh, as each prepare run does: BPE caches the words it has seen.
+    tok = Tokenizer.from_file(str(path))
     # tokenizers reads the variable at each call: "false" keeps the batch on this thread.
     os.environ["TOKENIZERS_PARALLELISM"] = "false" if threads == "1" else "true"
     start = time.perf_counter()
@@ -153,14 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     texts = [doc.decode("utf-8", errors="replace") for doc in docs]
     start = time.perf_counter()
     bpe_path = work / "tokenizer.json"
-    bpe = _train_bpe(texts[::8], opts.vocab, bpe_path)
+    _train_bpe(texts[::8], opts.vocab, bpe_path)
     report["corpus"] = {"documents": len(docs), "bytes": sum(map(len, docs))}
     report["bpe"] = {"vocab": opts.vocab, "train_seconds": time.perf_counter() - start}
     print(f"corpus: {len(docs)} documents, {report['corpus']['bytes'] / 1e6:.1f} MB", flush=True)
 
     workers = [int(w) for w in opts.workers.split(",")]
     cores = os.cpu_count() or 1
-    tokenizers = {"byte": (None, _bytes_as_tokenizers_bpe()), "bpe": (str(bpe_path), bpe)}
+    _bytes_as_tokenizers_bpe(work / "bytes.json")
+    # name: (prepare's --tokenizer, the baselines' tokenizer.json)
+    tokenizers = {"byte": (None, work / "bytes.json"), "bpe": (str(bpe_path), bpe_path)}
     for name, (path, baseline) in tokenizers.items():
         cases: list[tuple[str, int, Callable[[], tuple[int, float, str]]]] = [
             (f"{method}, {threads} thread{'s' * (threads != '1')}", 1 if threads == "1" else cores,
