@@ -18,8 +18,9 @@ tokenizers: the byte tokenizer (prepare's default) and a byte-level BPE tokenize
   byte tokenizer the baselines run a `tokenizers` BPE over the 256 byte symbols with no merges:
   one token per byte, as ours.
 
-Cases alternate within each round (A B C A B C ...), so slow drift of a shared machine falls on
-all alike; the table shows the median over rounds and every sample. JSON goes to `--out`.
+Every measurement runs in a fresh process. Cases alternate within each round (A B C A B C ...),
+so slow drift of a shared machine falls on all alike; the table shows the median over rounds
+and every sample. JSON goes to `--out`.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -78,33 +77,42 @@ def _bytes_as_tokenizers_bpe(path: Path) -> None:
     tok.save(str(path))
 
 
-def _encode_batch(
-    path: Path, texts: list[str], method: str, threads: str
-) -> tuple[int, float, str]:
+def _encode_batch(path: str, method: str, threads: str) -> tuple[int, float, str]:
     from tokenizers import Tokenizer
 
-    # Loaded afresh, as each prepare run does: BPE caches the words it has seen.
-    tok = Tokenizer.from_file(str(path))
+    texts = [doc.decode("utf-8", errors="replace") for doc in _documents()]
+    tok = Tokenizer.from_file(path)
     # tokenizers reads the variable at each call: "false" keeps the batch on this thread.
     os.environ["TOKENIZERS_PARALLELISM"] = "false" if threads == "1" else "true"
     start = time.perf_counter()
     ids = [e.ids for e in getattr(tok, method)(texts, add_special_tokens=False)]
-    seconds = time.perf_counter() - start
+    return sum(map(len, ids)), time.perf_counter() - start, ""
+
+
+def _prepare(tokenizer: str | None, workers: int, out: str) -> tuple[int, float, str]:
+    # One thread for prepare's own process too (workers set it themselves): one worker, one core.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    return sum(map(len, ids)), seconds, ""
-
-
-def _prepare(tokenizer: str | None, workers: int, out: Path) -> tuple[int, float, str]:
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
     prepare(None, out, tokenizer, workers=workers)
     seconds = time.perf_counter() - start
-    index = json.loads((out / "index.json").read_text())
+    index = json.loads(Path(out, "index.json").read_text())
     tokens = sum(s["num_tokens"] for shards in index["splits"].values() for s in shards)
     digest = hashlib.sha256()
-    for path in sorted(out.iterdir()):
+    for path in sorted(Path(out).iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     return tokens, seconds, digest.hexdigest()
+
+
+def _measure(case: dict) -> tuple[int, float, str]:
+    """Run one case in a fresh interpreter: ``(tokens, seconds, digest of prepare's output)``.
+
+    Each case gets a process of its own, so none inherits another's heap, threads or caches.
+    """
+    cmd = [sys.executable, __file__, "--case", json.dumps(case)]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    tokens, seconds, digest = json.loads(result.stdout.splitlines()[-1])
+    return tokens, seconds, digest
 
 
 def machine_facts() -> dict:
@@ -146,9 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", default="1,2", help="prepare's worker counts, comma-separated")
     p.add_argument("--vocab", type=int, default=8192, help="ids of the BPE tokenizer trained here")
     p.add_argument("--out", type=Path, default=Path("outputs/bench/prepare.json"))
+    p.add_argument("--case", help=argparse.SUPPRESS)  # one measurement, in a child process
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if opts.case:
+        case = json.loads(opts.case)
+        run = _encode_batch(*case["baseline"]) if "baseline" in case else _prepare(*case["prepare"])
+        print(json.dumps(run))
+        return 0
     work = opts.out.resolve().parent / "prepare"
     work.mkdir(parents=True, exist_ok=True)
     report: dict = {"machine": machine_facts(), "rounds": opts.rounds, "cases": []}
@@ -168,13 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     # name: (prepare's --tokenizer, the baselines' tokenizer.json)
     tokenizers = {"byte": (None, work / "bytes.json"), "bpe": (str(bpe_path), bpe_path)}
     for name, (path, baseline) in tokenizers.items():
-        cases: list[tuple[str, int, Callable[[], tuple[int, float, str]]]] = [
+        cases = [
             (f"{method}, {threads} thread{'s' * (threads != '1')}", 1 if threads == "1" else cores,
-             partial(_encode_batch, baseline, texts, method, threads))
+             {"baseline": [str(baseline), method, threads]})
             for method, threads in BASELINES
         ]  # fmt: skip
         cases += [
-            (f"prepare, {n} worker{'s' * (n > 1)}", n, partial(_prepare, path, n, work / name))
+            (f"prepare, {n} worker{'s' * (n > 1)}", n, {"prepare": [path, n, str(work / name)]})
             for n in workers
         ]
         results = [
@@ -183,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         digests = set()
         for r in range(opts.rounds):
-            for (label, _, run), result in zip(cases, results, strict=True):
-                tokens, seconds, digest = run()
+            for (label, _, case), result in zip(cases, results, strict=True):
+                tokens, seconds, digest = _measure(case)
                 result["tokens"].append(tokens)
                 result["seconds"].append(seconds)
                 digests.add(digest)

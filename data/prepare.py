@@ -286,14 +286,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _stop(signum: int, frame: object) -> None:
-    # SIGTERM (Slurm, timeout, kill) as an exception, so the temporary directory is removed.
     raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    signal.signal(signal.SIGTERM, _stop)
+    # SIGTERM (Slurm, timeout, kill) as an exception, so the temporary directory is removed.
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
         prepare(
             args.input,
@@ -308,6 +308,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:
+        raise SystemExit(f"interrupted: '{args.out}' is as it was") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -327,16 +327,21 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_kill_9_mid_run_leaves_no_dataset_and_no_workers(tmp_path: Path, bpe: str) -> None:
+@pytest.mark.parametrize(
+    "signum", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["KILL", "TERM", "INT"]
+)
+def test_a_killed_prepare_leaves_no_dataset_and_no_workers(
+    tmp_path: Path, bpe: str, signum: int
+) -> None:
     rng = random.Random(3)
-    # ~24 MB, ~6 s on 2 workers; killed well before the end, once the first tokens are written.
+    # ~24 MB, ~6 s on 2 workers; stopped well before the end, once the first tokens are written.
     (tmp_path / "big.jsonl").write_bytes(
         _jsonl([{"text": _text(rng, 80)} for _ in range(1500)]) * 32
     )
     out = tmp_path / "ds"
     cmd = [sys.executable, "-m", "data.prepare", "--input", str(tmp_path / "big.jsonl"),
            "--tokenizer", bpe, "--workers", "2", "--out", str(out)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     tmp = tmp_path / f".ds.tmp-{proc.pid}"
     deadline = time.monotonic() + 60
     # Wait until tokens are being written, so the workers are up and busy.
@@ -345,8 +350,8 @@ def test_kill_9_mid_run_leaves_no_dataset_and_no_workers(tmp_path: Path, bpe: st
         time.sleep(0.02)
     workers = _children(proc.pid)
     assert len(workers) >= 2, workers  # the two workers (and multiprocessing's resource tracker)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.send_signal(signum)  # to prepare's process alone, not to its workers
+    _, stderr = proc.communicate(timeout=60)
     while not all(_gone(w) for w in workers):
         assert time.monotonic() < deadline + 10, [w for w in workers if not _gone(w)]
         time.sleep(0.05)
@@ -354,6 +359,14 @@ def test_kill_9_mid_run_leaves_no_dataset_and_no_workers(tmp_path: Path, bpe: st
     assert not out.exists() and not (tmp / "index.json").exists()
     with pytest.raises(ConfigError, match="no prepared dataset"):
         open_dataset(out)
-    # The next prepare to the same --out removes the leftover.
-    prepare([str(tmp_path / "big.jsonl")], out, workers=1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl", "ds"]
+    if signum == signal.SIGKILL:
+        # The next prepare to the same --out removes the leftover.
+        assert tmp.is_dir()
+        prepare([str(tmp_path / "big.jsonl")], out, workers=1)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl", "ds"]
+    else:  # caught: the temporary directory is removed on the way out
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]
+        assert proc.returncode == (143 if signum == signal.SIGTERM else 1), stderr
+        assert "Traceback" not in stderr, stderr
+        if signum == signal.SIGINT:  # Ctrl-C
+            assert stderr.splitlines()[-1] == f"interrupted: '{out}' is as it was", stderr
