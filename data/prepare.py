@@ -146,14 +146,16 @@ def _write_splits(
     last: tuple[str, np.ndarray] | None = None
     count = 0
     progress = Progress(total_bytes)
-    for chunk in encoded:
-        docs = np.split(chunk.tokens, chunk.ends[:-1])  # views, one per document, EOS included
-        keyed = ([last] if last else []) + list(zip(chunk.keys, docs, strict=True))
-        last = keyed.pop()
-        write(keyed)
-        count += len(chunk.keys)
-        progress.update(chunk.position, len(chunk.tokens))
-    progress.close()
+    try:
+        for chunk in encoded:
+            docs = np.split(chunk.tokens, chunk.ends[:-1])  # views, one per document, with EOS
+            keyed = ([last] if last else []) + list(zip(chunk.keys, docs, strict=True))
+            last = keyed.pop()
+            write(keyed)
+            count += len(chunk.keys)
+            progress.update(chunk.position, len(chunk.tokens))
+    finally:  # the bar ends its line before any error or warning is printed
+        progress.close()
     if last is None:
         return 0
     fallback = val_fraction > 0 and writers["val"].num_documents == 0
