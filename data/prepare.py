@@ -180,7 +180,8 @@ def prepare(
 
     ``field`` is the text field of JSONL records and the text column of parquet files.
     ``workers`` defaults to 1 for the byte tokenizer (its tokens are the bytes: nothing to share
-    out) and to the usable CPUs for a tokenizer.json.
+    out) and to the usable CPUs for a tokenizer.json. Workers are spawned, fresh interpreters
+    that import the caller's main module: a script calling this needs ``if __name__ == "__main__"``.
     """
     start = time.perf_counter()
     if not 0.0 <= val_fraction < 1.0:
