@@ -5,6 +5,7 @@
     python bench/gpu.py --suite fp8     # 8B-shaped layers: fp8 vs bf16, eager and compiled
     python bench/gpu.py --suite 8b-blocks --profile   # 8 8B blocks, vocab 2048, with a profile
     python bench/gpu.py --suite documents   # 1B at 8k: document masking (flex) vs causal
+    python bench/gpu.py --suite finetune    # 1B at 8k: full vs half frozen vs LoRA rank 16
     python bench/gpu.py --smoke         # the debug model on any device: checks the harness only
 
 `--profile` has each case profile its last step with the trainer's own
@@ -49,6 +50,8 @@ COMMON = [
 # torchtitan's Llama 3 benchmarks use 8k-token sequences, one per GPU and step.
 SEQ = ["--data.seq_len=8192", "--train.micro_batch_size=1", "--train.global_batch_size=1"]
 COMPILE = ["--compile.enabled=true"]
+# The tied embedding and blocks 0-5 of the 1B flavor: 628M of its 1.24B parameters.
+HALF_1B = "tok_embeddings.*,layers.[0-5].*"
 FP8 = ["--fp8.enabled=true"]
 SUITES = {
     # Issue "scale and speed": target >= 45% MFU for bf16 + compile.
@@ -89,6 +92,19 @@ SUITES = {
         "cases": {
             "bf16 compile causal": COMPILE,
             "bf16 compile document": [*COMPILE, "--data.attention_mask=document"],
+        },
+    },
+    # Issue #19 (fine-tuning): the 1B flavor at 8k tokens, compiled, in three variants of the
+    # same shape: full training, half the parameters frozen (the tied embedding and blocks 0-5:
+    # 628M of 1.24B) and LoRA rank 16 on the attention projections (lora.targets' default).
+    # tok/s and peak memory against full training.
+    "finetune": {
+        "model": ["--model.flavor=1B", *SEQ],
+        "baseline": "bf16 compile full",
+        "cases": {
+            "bf16 compile full": COMPILE,
+            "bf16 compile half frozen": [*COMPILE, f"--train.freeze={HALF_1B}"],
+            "bf16 compile lora 16": [*COMPILE, "--lora.enabled=true", "--lora.rank=16"],
         },
     },
 }

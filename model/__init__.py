@@ -36,6 +36,10 @@ What the trainer may assume, and nothing more:
   (the transformer blocks); what is left (embeddings, final norm, output) is the root unit.
 - **FP8 candidates.** `fp8_linears(model)`: names of the `nn.Linear` layers FP8 may convert
   (the FP8 policy then filters by shape and `fp8.skip`).
+- **Fine-tuning** (`parallel/freeze.py`, `parallel/lora.py`): `train.freeze` matches parameter
+  names and `lora.targets` module names, nothing else. LoRA may adapt any `nn.Linear` (or
+  subclass) the family calls as `layer(x)` and uses the output of as is; a family that reads a
+  Linear's `.weight` in its forward would bypass the adapter.
 - **FLOPs.** `flops_per_token(model, seq_len)`: training FLOPs per token, for MFU.
 - **Hugging Face** (optional: a module `HFMapping` describes, named in `HF_MAPPINGS`, found by
   `get_hf_mapping`): parameter names, any row permutation, and config.json both ways;

@@ -377,6 +377,19 @@ def test_lora_tensor_parallel_equals_one_process(
 
 
 @pytest.mark.slow
+def test_lora_compiled_with_activation_checkpointing_equals_eager(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Blocks compiled (inductor) and checkpointed with their adapters, as bench/gpu.py's
+    fine-tuning suite runs them: the eager LoRA losses within 1e-5 (fp32)."""
+    eager, _ = runs(tiny_dataset, tmp_path, 1, 1, [*STEPS, *LORA])
+    compiled, _ = runs(
+        tiny_dataset, tmp_path, 1, 1, [*STEPS, *LORA, "--compile.enabled=true", "--ac.mode=full"]
+    )
+    assert_close(compiled, eager, rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_lora_resume_is_bitwise_and_reshards(lora_run: dict[str, Any], tiny_dataset: str) -> None:
     """From the LoRA run's step 2: on the same 2 ranks the losses are the straight run's,
     bitwise; on 1 process and on HSDP 2x2 within 1e-5 (the checkpoint resharded)."""
