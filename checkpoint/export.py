@@ -87,9 +87,12 @@ def load_checkpoint_model(
 
 
 def special_token_ids(config: dict) -> tuple[int | None, int | None]:
-    """(bos, eos) ids of the tokenizer of the run's dataset (`config`'s data.path), each None
-    when unknown, with one log line that says which."""
-    data_path = config.get("data", {}).get("path")
+    """(bos, eos) ids of the tokenizer of the run's dataset (`config`'s data.path, or the first
+    of its data.sources: they share one tokenizer), each None when unknown, with one log line
+    that says which."""
+    data = config.get("data", {})
+    sources = [source.get("path") for _, source in sorted(data.get("sources", {}).items())]
+    data_path = data.get("path") or next(iter(sources), None)
     index_file = Path(data_path or ".") / "index.json"
     bos_id = eos_id = None
     if data_path is None:
