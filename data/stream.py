@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -204,7 +204,18 @@ class GlobalStream:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_samples": dict(zip(self.names, self.sizes.tolist(), strict=True)),
-            "segments": [asdict(segment) for segment in self.segments],
+            # Keyed by `names` in order, whatever the segments were read from, so equal streams
+            # pickle to equal bytes (pickle shares repeated objects: the same strings, here).
+            # Keyed by `names` whatever the segments were read from: equal streams then pickle
+            # to equal bytes (pickle writes a repeated object once, such as these strings).
+            "segments": [
+                {
+                    "start": segment.start,
+                    "weights": {name: segment.weights[name] for name in self.names},
+                    "offsets": {name: segment.offsets[name] for name in self.names},
+                }
+                for segment in self.segments
+            ],
         }
 
     def load_state_dict(self, state: Mapping[str, Any], position: int) -> None:
