@@ -7,7 +7,8 @@ corpus of 100M windows against a small one.
     python bench/data.py randperm --n 10000000            # what the previous shuffle held
 
 `permutation` times data/shuffle.py's `permute` per index, vectorized over a million indices and
-per call at micro-batch sizes, and measures what it allocates (tracemalloc peak) at several n.
+per call at micro-batch sizes (and a three-source mixture's whole lookup per micro-batch), and
+measures what one call allocates (tracemalloc peak) at several n.
 `loader` writes synthetic datasets whose shard files are sparse (no data is written, the
 tokens read back as zeros) with default-sized shards of 2^28 tokens, then in a fresh process per
 corpus builds a rank's training loader (dp 8, micro-batch 4) and draws batches, reporting
@@ -34,6 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.shuffle import derive_key, permute  # noqa: E402
+from data.stream import GlobalStream  # noqa: E402
 
 SHARD_TOKENS = 2**28  # data.prepare's default --shard-tokens
 
@@ -58,6 +60,12 @@ def bench_permutation(n: int) -> None:
             permute(np.arange(c * batch, (c + 1) * batch) % n, n, key)
         per_call = (time.perf_counter() - start) / calls
         print(f"  micro-batch of {batch}: {per_call * 1e6:.0f} us per call")
+    stream = GlobalStream({"a": n, "b": n // 10, "c": n // 100}, {"a": 6, "b": 3, "c": 1}, 0, True)
+    start = time.perf_counter()
+    for c in range(2000):
+        stream.locate(np.arange(c * 8, (c + 1) * 8))
+    per_call = (time.perf_counter() - start) / 2000
+    print(f"  a mixture of 3 sources, micro-batch of 8: {per_call * 1e6:.0f} us per call")
     print("  tracemalloc peak of one call (bytes), by n:")
     for size in (10**3, 10**6, n, 10**12):
         for batch in (8, chunk):
