@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import shutil
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -134,6 +135,8 @@ def test_mixture_resumes_on_another_world_size_anneals_and_logs(
             "--metrics.log_interval=1"]  # fmt: skip
     full, log = run_distributed(train_and_log, 2, [*argv, "--run.name=full"])[0]
     step3 = tmp_path / "full" / "checkpoints" / "step-3"
+    written = tomllib.loads((tmp_path / "full" / "config.toml").read_text())["data"]
+    assert written["sources"] == {n: {"path": sources[n], "weight": w} for n, w in weights.items()}
 
     # 2 ranks x micro-batch 2 saved at position 24; 1 rank x micro-batch 4 continues it.
     resume = [f"--checkpoint.resume={step3}", "--train.micro_batch_size=4"]
