@@ -43,8 +43,9 @@ VERSION = 2
 PERIOD = 1 << 16
 """Positions over which each source's share is exact: weights count in units of 1/65536."""
 BLOCK = 64
-"""Positions shuffled together. Each holds its share of every source to within one sample, so
-any 20,000 consecutive positions hold each share to within 0.5% (tests/test_stream.py)."""
+"""Positions shuffled together: enough that a micro-batch is no fixed pattern of sources, few
+enough that a stretch of the stream misses the weights by a few positions at its ends only
+(20,000 consecutive positions: within 0.5% of each weight, tests/test_stream.py)."""
 
 
 def quantize(weights: Sequence[float]) -> list[int]:
@@ -204,8 +205,6 @@ class GlobalStream:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_samples": dict(zip(self.names, self.sizes.tolist(), strict=True)),
-            # Keyed by `names` in order, whatever the segments were read from, so equal streams
-            # pickle to equal bytes (pickle shares repeated objects: the same strings, here).
             # Keyed by `names` whatever the segments were read from: equal streams then pickle
             # to equal bytes (pickle writes a repeated object once, such as these strings).
             "segments": [
