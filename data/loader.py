@@ -137,7 +137,7 @@ def read_index(path: str | Path, key: str = "data.path") -> DatasetIndex:
         raise ConfigError(f"{key}: '{index_file}' is not valid JSON ({e}); {remedy}") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{key}: '{index_file}' is not a JSON object; {remedy}")
-    if missing := [key for key in _INDEX_KEYS if key not in raw]:
+    if missing := [name for name in _INDEX_KEYS if name not in raw]:
         raise ConfigError(f"{key}: '{index_file}' has no {', '.join(missing)}; {remedy}")
     if raw["version"] != 1 or raw["dtype"] not in ("uint16", "uint32"):
         raise ConfigError(
@@ -192,10 +192,11 @@ class DataSource:
 
 
 def _identity(index: DatasetIndex) -> dict[str, Any]:
-    # Where the tokenizer file was is not what it is: the same tokenizer.json may be copied.
-    return {k: v for k, v in index.tokenizer.items() if k != "path"} | {
-        "vocab_size": index.vocab_size, "eos_id": index.eos_id, "bos_id": index.bos_id,
-    }  # fmt: skip
+    """What must match between the sources of a mixture: the tokenizer and the token type.
+    Not where the tokenizer file was: the same tokenizer.json may have been copied."""
+    tokenizer = {k: v for k, v in index.tokenizer.items() if k != "path"}
+    ids = {"vocab_size": index.vocab_size, "eos_id": index.eos_id, "bos_id": index.bos_id}
+    return tokenizer | ids | {"dtype": index.dtype}
 
 
 def open_sources(cfg: DataConfig) -> list[DataSource]:
@@ -218,14 +219,11 @@ def open_sources(cfg: DataConfig) -> list[DataSource]:
     ]
     first, seen = sources[0], {}
     for source in sources:
-        if source.index.dtype != first.index.dtype or _identity(source.index) != _identity(
-            first.index
-        ):
+        if (theirs := _identity(source.index)) != (mine := _identity(first.index)):
             raise ConfigError(
                 f"data.sources: {first.name} and {source.name} were prepared with different "
-                f"tokenizers or token types ({_identity(first.index)}, {first.index.dtype} vs "
-                f"{_identity(source.index)}, {source.index.dtype}); a mixture needs one: "
-                "prepare every source with the same --tokenizer"
+                f"tokenizers or token types ({mine} vs {theirs}); a mixture needs one: prepare "
+                "every source with the same --tokenizer"
             )
         if (where := source.index.path.resolve()) in seen:
             raise ConfigError(

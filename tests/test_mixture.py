@@ -94,7 +94,7 @@ def test_bad_sources_are_one_config_error_line(
         "tokenizers": (mixture({"a": sources["a"], "b": str(other_tokenizer)}, {"a": 1, "b": 1}),
                        "a and b were prepared with different tokenizers"),
         "dtypes": (mixture({"a": sources["a"], "b": wide}, {"a": 1, "b": 1}),
-                   "uint16 vs {'kind': 'byte'"),
+                   "'dtype': 'uint32'}); a mixture needs one"),
         "same dataset": (mixture({"a": sources["a"], "b": sources["a"]}, {"a": 1, "b": 1}),
                          "a and b are the same dataset"),
         "both": ([f"--data.path={sources['a']}", *good], "data.path ('"),
