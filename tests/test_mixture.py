@@ -168,13 +168,20 @@ def test_mixture_resumes_on_another_world_size_anneals_and_logs(
 
     # Annealing: other weights on resume are applied from the resumed position, and said so.
     annealed = {"a": 0.25, "b": 0.75}
-    losses, log = run_distributed(
-        train_and_log, 1, [*common, *mixture(sources, annealed), *resume, "--run.name=annealed"]
-    )[0]
+    annealed_argv = [*common, *mixture(sources, annealed), *resume, "--run.name=annealed",
+                     "--metrics.tensorboard=true", "--metrics.log_interval=1"]  # fmt: skip
+    losses, log = run_distributed(train_and_log, 1, annealed_argv)[0]
     assert "changed since the checkpoint, applied: data.sources.a.weight: 0.75 -> 0.25" in log
     assert any(line.startswith("data: mixture weights change at stream position 24: a 0.75 -> "
                                "0.25, b 0.25 -> 0.75") for line in log), log  # fmt: skip
     assert len(losses) == 3 and losses != resumed
+    # Rank 0's tokens per source follow the annealed stream: the old weights up to position 24.
+    stream.set_weights(24, annealed)
+    events = EventAccumulator(str(tmp_path / "annealed" / "tensorboard"))
+    events.Reload()
+    for s, name in enumerate(stream.names):
+        tokens = [e.value for e in events.Scalars(f"data/tokens/{name}")]
+        assert tokens == [stream.consumed(8 * step)[s] * SEQ for step in (4, 5, 6)]
     # Which sources a mixture reads, and where, is fixed like data.path.
     renamed = mixture({"a": sources["a"], "c": sources["b"]}, {"a": 0.75, "c": 0.25})
     error = config_error([*common, *renamed, *resume, "--run.name=other"], caplog)
