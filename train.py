@@ -4,8 +4,9 @@
 
 The whole run reads top to bottom in `train()`: process group -> mesh -> model on meta ->
 shard -> materialize and init -> optimizer and schedule -> data -> resume -> loop and save.
-Configuration is checked by `launch.check.check_config()` on every rank before any process
-group exists, so a bad config is one error line on rank 0, never a hang.
+The config tree (`JobConfig`) is `launch/job.py`. It is checked by `launch.check.check_config()`
+on every rank before any process group exists, so a bad config is one error line on rank 0,
+never a hang.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from checkpoint import (
-    CheckpointConfig,
     Checkpointer,
     CheckpointError,
     TrainState,
@@ -35,16 +34,19 @@ from checkpoint import (
 )
 from checkpoint.hf import load_hf_weights
 from configs import ConfigError, HelpRequested, config_to_toml, parse_config
-from data.loader import (
-    DataConfig,
-    DataSource,
-    build_dataloader,
-)
+from data.documents import MicroBatch, micro_batch
+from data.loader import DataSource, build_dataloader
 from data.stream import SourceMeter
 from launch.check import Plan, check_config, dry_run
-from launch.lifecycle import RunLock, StopRequest, exit_with_launcher, set_aside_earlier_attempt
+from launch.job import JobConfig, OptimizerConfig
+from launch.lifecycle import (
+    RunLock,
+    StopRequest,
+    exit_with_launcher,
+    set_aside_earlier_attempt,
+    setup_logging,
+)
 from launch.metrics import (
-    MetricsConfig,
     MetricsLogger,
     RunSummary,
     ThroughputMeter,
@@ -53,109 +55,17 @@ from launch.metrics import (
     peak_tflops,
     profile_step,
 )
-from model import ModelConfig, count_params
-from parallel.ac import ActivationCheckpointConfig, apply_ac
-from parallel.compile import CompileConfig, apply_compile, compile_loss
-from parallel.dims import LaunchEnv, ParallelConfig
-from parallel.float8 import (
-    Float8Config,
-    apply_float8,
-    precompute_float8_scales,
-)
+from model import count_params, get_hf_mapping
+from parallel.ac import apply_ac
+from parallel.compile import apply_compile, compile_loss
+from parallel.dims import LaunchEnv
+from parallel.float8 import apply_float8, precompute_float8_scales
 from parallel.fsdp import apply_fsdp, assign_local_shard, reshard_plan
 from parallel.runtime import build_mesh, dp_mesh, dp_rank_and_size, init_distributed, pick_device
 from parallel.tp import apply_tp, loss_context
+from parallel.workarounds import tp_compile_workarounds
 
 logger = logging.getLogger("train")
-
-
-@dataclass
-class RunConfig:
-    name: str = "debug"
-    """Run name: outputs go to <output_dir>/<name>/."""
-    output_dir: str = "outputs"
-    """Parent directory of run directories."""
-
-
-@dataclass
-class OptimizerConfig:
-    lr: float = 3e-4
-    """Peak learning rate, reached at the end of warm-up."""
-    min_lr_ratio: float = 0.1
-    """The schedule decays to lr * min_lr_ratio at the last step."""
-    warmup_steps: int = 20
-    """Steps of linear warm-up from lr / warmup_steps to lr."""
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    """Shape of the decay after warm-up."""
-    weight_decay: float = 0.1
-    """AdamW decoupled weight decay, for matrices only (norm gains are never decayed)."""
-    beta1: float = 0.9
-    """AdamW beta1."""
-    beta2: float = 0.95
-    """AdamW beta2."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
-    """AdamW kernel: 'auto' = fused (one kernel for all parameters), the fastest everywhere."""
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ConfigError(
-                f"optim: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0 "
-                f"(got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}, "
-                f"warmup_steps={self.warmup_steps})"
-            )
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 300
-    """Optimizer steps to run."""
-    global_batch_size: int = 32
-    """Sequences per optimizer step over all ranks. Fixed across meshes, so a run's math does
-    not change with the number of GPUs."""
-    micro_batch_size: int = 8
-    """Sequences per rank per forward/backward; gradient accumulation makes up the rest."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this (0 = no clipping; the norm is still logged)."""
-    seed: int = 0
-    """Seeds weights and data order: the same seed gives the same run on any mesh."""
-    on_nonfinite: Literal["error", "skip"] = "error"
-    """A NaN/inf loss or gradient norm stops the run ('error') or skips that update ('skip')."""
-    eval_interval: int = 100
-    """Compute the validation loss every this many steps and at the end (0 = never)."""
-    eval_batches: int = 4
-    """Global batches of the validation split per evaluation (at most what the split holds)."""
-    max_skipped_steps: int = 10
-    """With on_nonfinite='skip': stop with an error after this many skipped steps in a row."""
-    deterministic: bool = False
-    """torch.use_deterministic_algorithms: bitwise repeatable kernels, somewhat slower."""
-
-    def __post_init__(self) -> None:
-        names = ("steps", "global_batch_size", "micro_batch_size", "eval_batches")
-        for name in (*names, "max_skipped_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_interval < 0 or self.max_grad_norm < 0:
-            raise ConfigError("train: eval_interval and max_grad_norm must be >= 0")
-
-
-@dataclass
-class JobConfig:
-    run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    fp8: Float8Config = field(default_factory=Float8Config)
-    ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
-    compile: CompileConfig = field(default_factory=CompileConfig)
-    dry_run: bool = False
-    """Print the resolved config, mesh, parameter count, memory and communication plan, then
-    exit."""
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -213,14 +123,14 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 def summed_loss(
     model: torch.nn.Module,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
+    batch: MicroBatch,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
 ) -> torch.Tensor:
     """The model's summed loss on one micro-batch (`loss_fn`: possibly the compiled one).
     At tp > 1 call it under `loss_context`: the loss is then a DTensor holding the whole value
     on every tp rank, returned as a plain tensor (its backward still runs through DTensor)."""
-    loss = loss_fn(model(inputs), targets)
+    logits = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions)
+    loss = loss_fn(logits, batch.targets)
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
@@ -280,10 +190,12 @@ def _train(
         apply_tp(model, plan.family, mesh["tp"], float8_collectives=fp8_comm)
     # AC before compile, so the compiled block includes its recompute; compile before FSDP, so
     # its collectives stay outside compiled code. Each asks the family for the blocks anew: the
-    # step before may have wrapped them. Except at tp > 1 with whole-block AC: torch 2.13
-    # cannot compile a checkpointed block with DTensor ops (AOTAutograd saves a DeviceMesh
-    # among its tensors), so the compiled block is checkpointed instead: same numbers.
-    if plan.tp > 1 and job.ac.mode in ("full", "selective"):
+    # step before may have wrapped them. Compiled blocks at tp > 1 need torch workarounds,
+    # one of which reverses that order for whole-block AC (parallel/workarounds.py).
+    compile_first = tp_compile_workarounds(
+        model, plan.family, plan.tp, job.compile.enabled, job.ac.mode
+    )
+    if compile_first:
         apply_compile(model, plan.family.fsdp_units(model), job.compile)
         apply_ac(model, plan.family.fsdp_units(model), job.ac)
     else:
@@ -294,7 +206,8 @@ def _train(
     apply_fsdp(model, plan.family.fsdp_units(model), dp_mesh(mesh), job.parallel)
     model.to_empty(device=device)
     if job.checkpoint.init_from_hf and plan.resume is None:
-        load_hf_weights(model, plan.family.hf, job.checkpoint.init_from_hf, job.data.seq_len)
+        mapping = get_hf_mapping(job.model.name)  # checked by check_config
+        load_hf_weights(model, mapping, job.checkpoint.init_from_hf, job.data.seq_len)
     else:  # random init, also when a checkpoint is about to overwrite it (it sets the RoPE table)
         model.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
     n_params = count_params(model)
@@ -306,6 +219,9 @@ def _train(
         optimizer, lambda step: lr_lambda(step, job.optim, t.steps)
     )
     loader = build_loader(job, plan, "train", dp_rank, dp_size)
+    # A loader's (inputs, targets) on the device, with their document ids and targets under
+    # data.attention_mask="document" (data/documents.py): derived per micro-batch, on the device.
+    to_batch = partial(micro_batch, cfg=job.data, eos_id=plan.dataset.eos_id, device=device)
 
     # Resume: everything that changes during training is a Stateful in one dict, loaded in
     # place before the loader is iterated (DCP reshards it onto this mesh).
@@ -354,18 +270,17 @@ def _train(
 
     for step in range(progress.step + 1, t.steps + 1):
         # All micro-batches up front: their target count fixes the loss normalization.
-        micro_batches = [next(batches) for _ in range(plan.grad_accum_steps)]
-        micro_batches = [(x.to(device), y.to(device)) for x, y in micro_batches]
+        micro_batches = [to_batch(*next(batches)) for _ in range(plan.grad_accum_steps)]
         data_time = timer.lap()
         # Normalize by the *global* number of target tokens of the step, so the loss and the
         # gradients are the same for any micro-batching and any mesh shape.
-        global_tokens = sum((y != -100).sum() for _, y in micro_batches).float()
+        global_tokens = sum((b.targets != -100).sum() for b in micro_batches).float()
         dist.all_reduce(global_tokens)
 
         # One step (by default none) under torch.profiler: see metrics.profile_step.
         with profile_step(job.metrics, step, run_dir, env.rank):
             loss_sum = torch.zeros((), device=device)
-            for i, (inputs, targets) in enumerate(micro_batches):
+            for i, batch in enumerate(micro_batches):
                 last = i == plan.grad_accum_steps - 1
                 # Reduce-scatter (and the HSDP all-reduce) only after the last micro-batch;
                 # earlier ones accumulate unsharded gradients locally, with no communication.
@@ -375,7 +290,7 @@ def _train(
                     # through backward adds nothing to the peak.
                     model.set_reshard_after_backward(last)
                 with loss_context(plan.tp):
-                    loss = summed_loss(model, inputs, targets, loss_fn) / global_tokens
+                    loss = summed_loss(model, batch, loss_fn) / global_tokens
                     # FSDP averages gradients over the dp ranks; our loss is already a global
                     # mean, so scale by dp_size to turn that average into the sum we want. Each
                     # of the tp ranks of a dp rank counted the same targets into global_tokens:
@@ -433,7 +348,7 @@ def _train(
                 n_val = t.eval_batches * plan.grad_accum_steps
                 with loss_context(plan.tp):
                     val_losses[f"loss/val/{source.name}"] = evaluate(
-                        model, val, n_val, device, loss_fn
+                        model, val, n_val, to_batch, loss_fn
                     )
             val_loss = sum(val_losses.values()) / len(val_losses)
             metrics.log(step, {"loss/val": val_loss} | (val_losses if len(val_losses) > 1 else {}))
@@ -499,17 +414,18 @@ def evaluate(
     model: torch.nn.Module,
     loader: Iterable,
     micro_batches: int,
-    device: torch.device,
+    to_batch: Callable[[torch.Tensor, torch.Tensor], MicroBatch],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
 ) -> float:
     """Mean loss per target token over the first `micro_batches` of a validation loader, over
-    all data-parallel ranks."""
-    totals = torch.zeros(2, device=device)
+    all data-parallel ranks. `to_batch`: as in training (device, document masking)."""
     batches = iter(loader)
+    losses, targets = [], []
     for _ in range(micro_batches):
-        inputs, targets = (x.to(device) for x in next(batches))
-        totals[0] += summed_loss(model, inputs, targets, loss_fn)
-        totals[1] += (targets != -100).sum()
+        batch = to_batch(*next(batches))
+        losses.append(summed_loss(model, batch, loss_fn))
+        targets.append((batch.targets != -100).sum())
+    totals = torch.stack([torch.stack(losses).sum(), torch.stack(targets).sum().float()])
     dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
 
@@ -531,46 +447,8 @@ def log_orientation(job: JobConfig, plan: Plan, run_dir: Path, ckpt_folder: Path
         logger.info("changed since the checkpoint, applied: %s", change)
 
 
-def setup_logging(rank: int) -> None:
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s [rank{rank}] %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-    )
-
-
 # Seconds the other ranks wait before exiting on an error that rank 0 reports.
 REPORT_GRACE_S = 2.0
-
-
-def validate(argv: list[str], env: LaunchEnv) -> int:
-    """Check a command line for the world a launcher is about to start, before any rank exists.
-
-    `python -m launch.check` runs this once per job: a config error (bad key, a mesh that does
-    not divide the world, missing data, a checkpoint that does not fit) then ends the job with
-    one line and exit status 2, instead of every rank failing and torchrun retrying it.
-    Returns 0 when the config is fine, else 2 after logging the one line.
-    """
-    try:
-        job = parse_config(JobConfig, argv)
-        check_config(job, env)
-        if not job.dry_run:  # a run folder in use: say so now, not after torchrun started
-            lock = RunLock(Path(job.run.output_dir) / job.run.name)
-            # A few tries: the checks of several nodes may probe a shared folder at once, each
-            # holding the lock for an instant; a trainer holds it for the whole run.
-            for _ in range(4):
-                if (refused := lock.acquire()) is None:
-                    break
-                time.sleep(0.5)
-            if refused:
-                raise ConfigError(refused)
-            lock.release()
-    except HelpRequested:
-        return 0
-    except ConfigError as err:
-        logger.error("config error: %s", err)
-        return 2
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,15 @@
 """Causal attention forward+backward on one CPU thread: SDPA against model/attention.py.
 
     python bench/attention.py            # ~3 minutes on 2 cores; keep the machine idle
+    python bench/attention.py --documents   # causal vs document masks, debug shapes, bf16
 
 For each shape and dtype, the median of --repeats timed forward+backward passes (after two
 warm-up passes) of `F.scaled_dot_product_attention(is_causal=True)` and of
 `chunked_causal_attention`, on the same inputs. Prints a Markdown table.
+
+`--documents`: for the debug model's shapes in bf16, each kernel causal against the same
+kernel with a document mask (`model.attention.attention`, as the model calls it) of windows
+holding 1 document (the usual window of the stdlib corpus at seq 512) or 4 equal ones.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.attention import chunked_causal_attention  # noqa: E402
+from model.attention import attention, chunked_causal_attention, document_mask  # noqa: E402
 
 # (batch, heads, seq, head_dim): the debug model at the debug config's and the torchtitan
 # comparison's sequence lengths, then head_dim 64 (GPT-2-small-like) at three lengths.
@@ -48,11 +54,35 @@ def time_fwd_bwd(fn: Attention, shape: tuple[int, ...], dtype: torch.dtype, repe
     return statistics.median(times) * 1e3
 
 
+def documents(repeats: int) -> None:
+    """Causal against document-masked attention, per kernel, at the debug shapes in bf16."""
+    print("| batch x heads x seq x head_dim | kernel | documents per window | causal ms | "
+          "document ms | document / causal |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for shape in SHAPES[:2]:
+        batch, _, seq, _ = shape
+        for kernel in ("sdpa", "chunked"):
+            causal = time_fwd_bwd(partial(attention, mask=None, impl=kernel), shape, torch.bfloat16,
+                                  repeats)  # fmt: skip
+            for n_docs in (1, 4):
+                ids = (torch.arange(seq) * n_docs // seq).int().expand(batch, seq)
+                mask = document_mask(ids, kernel)
+                fn = partial(attention, mask=mask, impl=kernel)
+                ms = time_fwd_bwd(fn, shape, torch.bfloat16, repeats)
+                name = " x ".join(map(str, shape))
+                print(f"| {name} | {kernel} | {n_docs} | {causal:.1f} | {ms:.1f} | "
+                      f"{ms / causal:.2f} |", flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--documents", action="store_true", help="causal vs document masks")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # as one rank of the 2-rank runs gets
+    if args.documents:
+        documents(args.repeats)
+        return 0
     print("| batch x heads x seq x head_dim | dtype | SDPA ms | chunked ms | speed-up |")
     print("|---|---|---|---|---|")
     for shape in SHAPES:

@@ -40,9 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import ConfigError, HelpRequested, parse_config  # noqa: E402
 from data.loader import build_dataloader  # noqa: E402
+from launch.job import JobConfig, OptimizerConfig  # noqa: E402
 from launch.metrics import ThroughputMeter, Timer, format_scalars  # noqa: E402
 from model import count_params, get_family  # noqa: E402
-from train import JobConfig, OptimizerConfig, lr_lambda  # noqa: E402  (config and schedule only)
+from train import lr_lambda  # noqa: E402  (the schedule only)
 
 logger = logging.getLogger("plain_loop")
 

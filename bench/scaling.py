@@ -249,9 +249,9 @@ def run_case(nodes: int, mode: str, opts: argparse.Namespace, cgroups: CpuGroups
 def predicted_link_bytes(nodes: int, mode: str, nproc: int, grad_accum: int) -> float:
     """Planner bytes per rank and mesh dim -> bytes one node's link carries per step."""
     from configs import parse_config
+    from launch.job import JobConfig
     from model import get_family
     from parallel.plan import model_shape, plan_communication
-    from train import JobConfig
 
     job = parse_config(JobConfig, MODEL)
     rep, shard = (1, nodes * nproc) if mode == "fsdp" else (nodes, nproc)

@@ -1,12 +1,20 @@
-"""Distributed checkpoints (DCP): what is saved (`state.py`) and when and where (`manager.py`)."""
+"""Distributed checkpoints (DCP): save every N steps, resume from the latest complete one, on
+any mesh. One module per reason to change:
 
-from checkpoint.manager import (
-    COMPLETE,
+| module | owns |
+|---|---|
+| `state.py` | what a checkpoint holds: the dict of `Stateful`s handed to DCP, its keys |
+| `layout.py` | `CheckpointConfig`; the step-N directories and the COMPLETE marker on disk |
+| `resume.py` | `check_resume`: choosing and checking what to resume, before any process group |
+| `checkpointer.py` | `Checkpointer`: save (sync/async, marker, pruning), load (verify, fallback) |
+| `integrity.py` | the manifest of file sizes and CRC32s: written at save, checked at resume |
+| `hf.py`, `export.py` | Hugging Face safetensors: export a checkpoint, start a run from one |
+"""
+
+from checkpoint.checkpointer import Checkpointer, CheckpointError
+from checkpoint.integrity import COMPLETE
+from checkpoint.layout import (
     CheckpointConfig,
-    Checkpointer,
-    CheckpointError,
-    ResumePoint,
-    check_resume,
     checkpoint_folder,
     complete_checkpoints,
     is_complete,
@@ -14,6 +22,7 @@ from checkpoint.manager import (
     list_step_dirs,
     step_dir,
 )
+from checkpoint.resume import ResumePoint, check_resume
 from checkpoint.state import TrainState, build_states
 
 __all__ = [

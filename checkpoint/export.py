@@ -6,11 +6,11 @@
 Reads only the "model" entry of the DCP checkpoint (not the optimizer state, which is twice as
 large) into a plain model, whatever mesh saved it: DCP stores full shapes and reshards on load.
 The model shape comes from the resolved config stored in the checkpoint itself. Then
-`checkpoint.hf.save_hf_weights` writes the HF layout through the model family's mapping; load
-it back with `load_hf_weights` or `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`.
-config.json's bos/eos token ids come
-from the index.json of the run's data.path (relative to the current directory), when it is
-there. OUT_DIR must be new or empty; --force overwrites the export files in it.
+`checkpoint.hf.save_hf_weights` writes the HF layout through the family's mapping
+(`model.get_hf_mapping`); load it back with `load_hf_weights` or
+`transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`. config.json's bos/eos token ids
+come from the index.json of the run's data.path (relative to the current directory), when it
+is there. OUT_DIR must be new or empty; --force overwrites the export files in it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from checkpoint.hf import INDEX_FILE, MAX_SHARD_BYTES, save_hf_weights
 from checkpoint.state import MODEL, load_no_dist, read_run_config
 from configs import ConfigError
 from data.loader import read_index
-from model import ModelConfig, get_family
+from model import ModelConfig, get_family, get_hf_mapping
 
 logger = logging.getLogger("checkpoint.export")
 
@@ -54,7 +54,7 @@ def _load(checkpoint_dir: Path, rope_len: int | None = None) -> tuple[torch.nn.M
     except TypeError as e:
         raise ConfigError(f"cannot read the [model] config from {source}: {e}") from e
     family = get_family(model_config.name)
-    if family.hf is None:
+    if get_hf_mapping(model_config.name) is None:
         raise ConfigError(f"model family {model_config.name} has no Hugging Face mapping")
     args = family.build_args(model_config)
     # Meta then to_empty: memory for the weights only, no throwaway initialization. The
@@ -103,6 +103,7 @@ def special_token_ids(config: dict) -> tuple[int | None, int | None]:
         try:
             index = read_index(data_path)
             bos_id, eos_id = index.bos_id, index.eos_id
+            reason = f"{index_file} has eos_id null"  # documents not delimited: no EOS
         except ConfigError as e:
             reason = str(e)
     if eos_id is None:
@@ -151,7 +152,7 @@ def export_checkpoint(
     if out.is_dir():  # with force: shards of an earlier, larger export must not linger
         for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
             stale.unlink(missing_ok=True)
-    mapping = get_family(ModelConfig(**config.get("model", {})).name).hf
+    mapping = get_hf_mapping(ModelConfig(**config.get("model", {})).name)
     files = save_hf_weights(model, mapping, out, dtype, max_shard_bytes, bos_id, eos_id)
     logger.info("wrote %d file(s) and config.json to %s", len(files), out)
     return files

@@ -1,8 +1,22 @@
 """Checkpoint integrity: per-file sizes and CRC32s recorded at save, checked at resume.
 
-See the module docstring of `checkpoint/manager.py` for what the manifest holds and what is
-verified when; this module has the pieces: the writer that records checksums, the cheap checks
-that read no tensor data, and the content check of a share of the files.
+The COMPLETE marker holds a manifest, JSON:
+`{"format": ..., "checksum": "crc32", "files": {"__0_0.distcp": {"bytes": N, "crc32": C}, ...,
+".metadata": {...}}}`: the size and CRC32 of every file of the checkpoint. Each rank sums the
+files it wrote right after writing them (inside DCP's write step: in the background for async
+saves) into a sidecar file; rank 0, after writing `.metadata`, merges the sidecars and the sum
+of `.metadata` into `COMPLETE.tmp`, which becomes `COMPLETE` by a rename once the save returned
+(`Checkpointer`, `checkpoint/checkpointer.py`). So no rank reads the whole checkpoint, and a
+full disk fails the save itself, on every rank.
+
+Verified twice: the checks that read no tensor data (`check_files`) in `check_resume`
+(`checkpoint/resume.py`, every rank, before the process group), the content (`verify_files`,
+each rank its share of the files) in `Checkpointer.load`. Checkpoints saved before manifests
+existed (marker "step N") load with a warning that they are not verified; the size checks
+against `.metadata` still apply to them.
+
+This module has the pieces: the writer that records checksums, the cheap checks that read no
+tensor data, and the content check of a share of the files.
 
 CRC32 (zlib) rather than a cryptographic hash: it guards against truncation and flipped bits,
 not against tampering, and it is the fastest here: ~2.9 GB/s on one core of the 2-core CPU
@@ -23,7 +37,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
 COMPLETE = "COMPLETE"
-PENDING = "COMPLETE.tmp"  # the manifest until the manager renames it to COMPLETE
+PENDING = "COMPLETE.tmp"  # the manifest until the Checkpointer renames it to COMPLETE
 METADATA = ".metadata"  # DCP's index, written by rank 0
 _SIDECAR = "__{rank}_checksums.json"  # one rank's checksums, until rank 0 merges them
 _FORMAT = "fsdp2-trainer manifest 1"

@@ -1,10 +1,11 @@
 """Configuration: the shipped TOML files, and the parser every module's config goes through.
 
 Each module owns its config as a `@dataclass` whose fields carry a docstring on the next line;
-`train.py` nests them into one tree (`JobConfig`) and calls `parse_config(JobConfig, argv)`:
-defaults < TOML file < `--section.key=value` (configs/parse.py). `config_to_toml` writes the
-resolved tree next to the run and into each checkpoint (configs/write.py). This package
-imports nothing from the rest of the project, so any module may import it.
+`launch/job.py` nests them into one tree (`JobConfig`), which `train.py` reads with
+`parse_config(JobConfig, argv)`: defaults < TOML file < `--section.key=value`
+(configs/parse.py). `config_to_toml` writes the resolved tree next to the run and into each
+checkpoint (configs/write.py). This package imports nothing from the rest of the project, so
+any module may import it.
 """
 
 from __future__ import annotations

@@ -69,6 +69,12 @@ class DataConfig:
     """DataLoader worker processes; 0 reads in the training process (enough for a memmap)."""
     shuffle: bool = True
     """Shuffle training sequences (deterministically from the seed) each epoch."""
+    attention_mask: Literal["causal", "document"] = "causal"
+    """'causal': a token attends to every earlier token of its window; 'document': only to
+    earlier tokens of its own document, which ends at the dataset's EOS id (docs/data.md)."""
+    document_positions: bool = False
+    """With attention_mask='document': RoPE positions restart at 0 at each document's first
+    token instead of counting from the window start (data/documents.py)."""
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -86,6 +92,12 @@ class DataConfig:
                     f"data.sources: the name {name!r} may hold letters, digits and underscores "
                     "only (it names command-line keys and TensorBoard tags)"
                 )
+        if self.document_positions and self.attention_mask != "document":
+            raise ConfigError(
+                "data.document_positions=true needs data.attention_mask='document' (positions "
+                "restarting inside a window where every token sees the previous document would "
+                "place tokens of two documents at the same positions)"
+            )
 
 
 @dataclass(frozen=True)
@@ -103,7 +115,8 @@ class DatasetIndex:
     path: Path
     dtype: Literal["uint16", "uint32"]
     vocab_size: int
-    eos_id: int
+    eos_id: int | None
+    """The id that ends every document; None (JSON null): the documents are not delimited."""
     tokenizer: dict[str, Any]
     splits: dict[str, list[Shard]]
     bos_id: int | None = None
@@ -154,7 +167,7 @@ def read_index(path: str | Path, key: str = "data.path") -> DatasetIndex:
             path=root,
             dtype=raw["dtype"],
             vocab_size=int(raw["vocab_size"]),
-            eos_id=int(raw["eos_id"]),
+            eos_id=None if raw["eos_id"] is None else int(raw["eos_id"]),
             tokenizer=dict(raw["tokenizer"]),
             splits=splits,
             bos_id=None if bos_id is None else int(bos_id),

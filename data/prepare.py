@@ -1,48 +1,55 @@
 """Turn text into token shards: ``python -m data.prepare [--input PATH ...] [--out DIR]``.
 
 With no ``--input`` the corpus is the running Python's standard-library sources: every machine
-has them, so the trainer works end to end with no download. Output layout (read by
+has them, so the trainer works end to end with no download. Inputs may be text files, JSONL,
+gzip- or zstd-compressed JSONL and parquet (``data.inputs``). Output layout (read by
 ``data.loader.open_dataset``)::
 
     DIR/index.json          dtype, tokenizer, vocab_size, eos_id, bos_id, shards per split
     DIR/train-00000.bin     flat uint16 (or uint32) token ids, documents separated by EOS
     DIR/val-00000.bin
+
+This process reads the corpus in order and writes the shards; ``--workers`` processes tokenize
+(``data.encode``). The bytes written do not depend on the number of workers.
 """
 
 from __future__ import annotations
 
 import argparse
-import fnmatch
-import glob
 import json
 import logging
 import os
 import shutil
+import signal
+import sys
 import sysconfig
 import time
 import zlib
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import TextIO
 
 import numpy as np
+from tqdm import tqdm
 
 from configs import ConfigError
-from data.tokenizer import Tokenizer, build_tokenizer
+from data.encode import Chunk, Encoded, encode_in_order
+from data.inputs import DEFAULT_PATTERN, check_inputs, find_files, iter_documents
+from data.tokenizer import build_tokenizer
+from data.writer import ShardWriter, Split, check_out, remove_leftovers, replace_dir
 
 logger = logging.getLogger(__name__)
 
-Split = Literal["train", "val"]
 SPLITS: tuple[Split, ...] = ("train", "val")
 DEFAULT_OUT = "outputs/data/stdlib"
-DEFAULT_PATTERN = "*.txt,*.py,*.md,*.jsonl"
 # Third-party packages are not the standard library and differ from machine to machine.
 STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 INDEX_VERSION = 1
-# Documents are tokenized in chunks so a Hugging Face tokenizer can batch across its threads
-# while memory stays bounded for large corpora.
+# One chunk is one task for a worker: big enough that sending it costs little next to
+# tokenizing it, small enough that 2 chunks per worker in flight keep memory low.
 CHUNK_DOCS = 1024
-CHUNK_BYTES = 64 * 2**20
+CHUNK_BYTES = 4 * 2**20
 
 
 def stdlib_dir() -> Path:
@@ -50,168 +57,82 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. a Slurm allocation)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def is_val(doc_key: str, val_fraction: float) -> bool:
     """Hash-based split: stable per document, independent of corpus order and size."""
     return zlib.crc32(doc_key.encode("utf-8")) % 1_000_000 < val_fraction * 1_000_000
 
 
-def _has_glob(text: str) -> bool:
-    return any(c in text for c in "*?[")
-
-
-def _glob_root(raw: str) -> Path:
-    """The directory before the first wildcard: the keys of ``docs/**/*.md`` are under ``docs``."""
-    parts = Path(raw).parts
-    fixed = next(i for i, part in enumerate(parts) if _has_glob(part))
-    return Path(*parts[:fixed]) if fixed else Path(".")
-
-
-def _walk(root: Path, patterns: list[str], excluded_dirs: frozenset[str]) -> list[Path]:
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        # Hidden directories (.git, .venv, our own .tmp outputs) are never corpus.
-        dirnames[:] = [d for d in dirnames if d not in excluded_dirs and not d.startswith(".")]
-        for name in filenames:
-            if any(fnmatch.fnmatch(name, p) for p in patterns):
-                files.append(Path(dirpath, name))
-    return files
-
-
-def find_files(
-    inputs: list[str], pattern: str, excluded_dirs: frozenset[str] = frozenset()
-) -> list[tuple[Path, str]]:
-    """``(path, doc_key)`` for every input file, in deterministic order.
-
-    The key is the path relative to its input (directory, glob base or the file's parent), so the
-    train/val split does not depend on where the corpus lives on this machine.
-    """
-    patterns = [p.strip() for p in pattern.split(",") if p.strip()]
-    found: list[tuple[Path, str]] = []
-    seen: set[Path] = set()
-    for raw in inputs:
-        path = Path(raw).expanduser()
-        if path.is_dir():
-            root, files = path, _walk(path, patterns, excluded_dirs)
-            if not files:
-                raise ConfigError(
-                    f"data prepare: --input '{raw}' has no files matching '{pattern}'"
-                )
-        elif path.is_file():
-            root, files = path.parent, [path]
-        elif _has_glob(raw):
-            root = _glob_root(raw)
-            files = [Path(p) for p in glob.glob(raw, recursive=True)]
-            files = [p for p in files if p.is_file()]
-            if not files:
-                raise ConfigError(f"data prepare: --input '{raw}' matched no files")
-        else:
-            raise ConfigError(f"data prepare: --input '{raw}' does not exist")
-        keyed = sorted((p.relative_to(root).as_posix(), p) for p in files)
-        for key, p in keyed:
-            if p.resolve() not in seen:  # the same file named by two inputs is read once
-                seen.add(p.resolve())
-                found.append((p, key))
-    return found
-
-
-def iter_documents(files: list[tuple[Path, str]], jsonl_field: str) -> Iterator[tuple[str, bytes]]:
-    """``(doc_key, utf-8 bytes)`` per document: one per file, or one per line of a .jsonl."""
-    for path, key in files:
-        if path.suffix != ".jsonl":
-            yield key, path.read_bytes()
+def _chunks(docs: Iterator[tuple[str, bytes, int]]) -> Iterator[Chunk]:
+    keys: list[str] = []
+    texts: list[bytes] = []
+    size = position = 0
+    for key, doc, position in docs:
+        if not doc:  # an empty document would add a lone EOS and nothing to learn from
             continue
-        with path.open("rb") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"data prepare: {path}:{lineno}: invalid JSON ({e})") from e
-                text = record.get(jsonl_field) if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise ConfigError(
-                        f"data prepare: {path}:{lineno}: no string field '{jsonl_field}' "
-                        "(choose the field with --jsonl-field)"
-                    )
-                # "replace": JSON may escape lone surrogates, which UTF-8 cannot encode.
-                yield f"{key}:{lineno}", text.encode("utf-8", errors="replace")
-
-
-def _chunks(docs: Iterator[tuple[str, bytes]]) -> Iterator[list[tuple[str, bytes]]]:
-    chunk: list[tuple[str, bytes]] = []
-    size = 0
-    for key, doc in docs:
-        if not doc:  # an empty file would add a lone EOS and nothing to learn from
-            continue
-        chunk.append((key, doc))
+        keys.append(key)
+        texts.append(doc)
         size += len(doc)
-        if len(chunk) >= CHUNK_DOCS or size >= CHUNK_BYTES:
-            yield chunk
-            chunk, size = [], 0
-    if chunk:
-        yield chunk
+        if len(keys) >= CHUNK_DOCS or size >= CHUNK_BYTES:
+            yield Chunk(keys, texts, position)
+            keys, texts, size = [], [], 0
+    if keys:
+        yield Chunk(keys, texts, position)
 
 
-class _ShardWriter:
-    """Appends tokens to ``{split}-00000.bin``, ``-00001``, ... of at most ``shard_tokens`` each."""
+class Progress:
+    """Input MB/s, tokens/s and ETA: a tqdm bar on a terminal, else a log line now and then.
 
-    def __init__(
-        self, directory: Path, split: Split, dtype: np.dtype, shard_tokens: int, eos_id: int
-    ) -> None:
-        self.directory, self.split, self.dtype = directory, split, dtype
-        self.shard_tokens = shard_tokens
-        self.eos = np.array([eos_id], dtype=dtype)
-        self.shards: list[dict[str, Any]] = []
-        self.num_documents = 0
-        self._file: BinaryIO | None = None
+    A bar redrawn with carriage returns would turn a log file (Slurm, CI, nohup) into one long
+    line, so without a terminal the same figures go through ``logging`` every ``log_every`` s.
+    """
 
-    def write_documents(self, docs: list[np.ndarray]) -> None:
-        """Each document's tokens followed by EOS, in one write per chunk of documents."""
-        if docs:
-            self.write(np.concatenate([a for tokens in docs for a in (tokens, self.eos)]))
-            self.num_documents += len(docs)
+    def __init__(self, total_bytes: int, stream: TextIO | None = None, log_every: float = 30.0):
+        stream = stream or sys.stderr
+        self.total, self.log_every = total_bytes, log_every
+        self.position = self.tokens = 0
+        self.start = self.logged = time.perf_counter()
+        self.bar = tqdm(
+            total=total_bytes, unit="B", unit_scale=True, desc="prepare", file=stream,
+            disable=not stream.isatty(), dynamic_ncols=True,
+        )  # fmt: skip
 
-    def write(self, tokens: np.ndarray) -> None:
-        tokens = tokens.astype(self.dtype, copy=False)
-        while len(tokens):
-            if self._file is None:
-                name = f"{self.split}-{len(self.shards):05d}.bin"
-                self._file = (self.directory / name).open("wb")
-                self.shards.append({"file": name, "num_tokens": 0})
-            shard = self.shards[-1]
-            part = tokens[: self.shard_tokens - shard["num_tokens"]]
-            part.tofile(self._file)
-            shard["num_tokens"] += len(part)
-            tokens = tokens[len(part) :]
-            if shard["num_tokens"] == self.shard_tokens:
-                self.close()
+    def update(self, position: int, tokens: int) -> None:
+        """``position`` input bytes read so far; ``tokens`` more were written."""
+        now = time.perf_counter()
+        step, self.position = position - self.position, position
+        self.tokens += tokens
+        tokens_per_s = self.tokens / max(now - self.start, 1e-9)
+        if not self.bar.disable:
+            self.bar.set_postfix_str(f"{tqdm.format_sizeof(tokens_per_s)} tok/s", refresh=False)
+            self.bar.update(step)
+        elif now - self.logged >= self.log_every:
+            self.logged = now
+            elapsed = now - self.start
+            bytes_per_s = position / max(elapsed, 1e-9)
+            eta = (self.total - position) / bytes_per_s if bytes_per_s else 0.0
+            logger.info(
+                "prepare: %sB of %sB read (%.0f%%), %sB/s, %s tok/s, eta %s",
+                tqdm.format_sizeof(position), tqdm.format_sizeof(self.total),
+                100 * position / max(self.total, 1), tqdm.format_sizeof(bytes_per_s),
+                tqdm.format_sizeof(tokens_per_s), tqdm.format_interval(eta),
+            )  # fmt: skip
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` to ``out``, replacing an older prepared dataset there."""
-    if not out.exists():
-        tmp.rename(out)
-        return
-    # Two renames, not an in-place rewrite: a reader never sees a mix of old and new shards.
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old)
+        self.bar.close()
 
 
 def _write_splits(
-    docs: Iterator[tuple[str, bytes]],
-    tok: Tokenizer,
+    encoded: Iterator[Encoded],
+    total_bytes: int,
     val_fraction: float,
-    writers: dict[Split, _ShardWriter],
+    writers: dict[Split, ShardWriter],
 ) -> int:
-    """Tokenize ``docs`` into the train and val writers; returns the number of documents."""
+    """Write each tokenized document to train or val; returns the number of documents."""
 
     def write(keyed: list[tuple[str, np.ndarray]], to_val: bool = False) -> None:
         for split, writer in writers.items():
@@ -224,13 +145,17 @@ def _write_splits(
     # the val split, so a small corpus still gets validation instead of silently having none.
     last: tuple[str, np.ndarray] | None = None
     count = 0
-    for chunk in _chunks(docs):
-        encoded = tok.encode_documents([doc for _, doc in chunk])
-        keys = [key for key, _ in chunk]
-        keyed = ([last] if last else []) + list(zip(keys, encoded, strict=True))
-        last = keyed.pop()
-        write(keyed)
-        count += len(chunk)
+    progress = Progress(total_bytes)
+    try:
+        for chunk in encoded:
+            docs = np.split(chunk.tokens, chunk.ends[:-1])  # views, one per document, with EOS
+            keyed = ([last] if last else []) + list(zip(chunk.keys, docs, strict=True))
+            last = keyed.pop()
+            write(keyed)
+            count += len(chunk.keys)
+            progress.update(chunk.position, len(chunk.tokens))
+    finally:  # the bar ends its line before any error or warning is printed
+        progress.close()
     if last is None:
         return 0
     fallback = val_fraction > 0 and writers["val"].num_documents == 0
@@ -246,38 +171,54 @@ def prepare(
     tokenizer_path: str | None = None,
     val_fraction: float = 0.005,
     shard_tokens: int = 2**28,
-    jsonl_field: str = "text",
+    field: str = "text",
     pattern: str = DEFAULT_PATTERN,
     eos_token: str | None = None,
+    workers: int | None = None,
 ) -> Path:
-    """Tokenize ``inputs`` (None: the stdlib's ``*.py``) into shards under ``out_dir``."""
+    """Tokenize ``inputs`` (None: the stdlib's ``*.py``) into shards under ``out_dir``.
+
+    ``field`` is the text field of JSONL records and the text column of parquet files.
+    ``workers`` defaults to 1 for the byte tokenizer (its tokens are the bytes: nothing to share
+    out) and to the usable CPUs for a tokenizer.json. Workers are spawned, fresh interpreters
+    that import the caller's main module: a script calling this needs ``if __name__ == "__main__"``.
+    """
     start = time.perf_counter()
     if not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"data prepare: --val-fraction must be in [0, 1), got {val_fraction}")
     if shard_tokens < 1:
         raise ConfigError(f"data prepare: --shard-tokens must be >= 1, got {shard_tokens}")
+    if workers is None:
+        workers = 1 if tokenizer_path is None else usable_cpus()
+    if workers < 1:
+        raise ConfigError(f"data prepare: --workers must be >= 1, got {workers}")
     if inputs:
         files = find_files(inputs, pattern)
     else:
         inputs, pattern = [str(stdlib_dir())], "*.py"
         files = find_files(inputs, pattern, STDLIB_EXCLUDED_DIRS)
+    check_inputs(files, field)
     out = Path(out_dir)
-    # Guard against `--out .` or a typo wiping unrelated files: only a prepared dataset is replaced.
-    if out.is_dir() and any(out.iterdir()) and not (out / "index.json").is_file():
-        raise ConfigError(f"data prepare: --out '{out}' exists and is not a prepared dataset")
-
+    check_out(out)
     tok = build_tokenizer(tokenizer_path, eos_token)
+
     # uint16 halves disk and page-cache use for any vocabulary up to 65536 ids.
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out)
     # A hidden sibling of `out`: the final rename stays on one filesystem, hence atomic.
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run that had this pid
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens, tok.eos_id) for s in SPLITS}
-        if _write_splits(iter_documents(files, jsonl_field), tok, val_fraction, writers) == 0:
-            raise ConfigError(f"data prepare: no text found in {', '.join(inputs)}")
+        writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
+        chunks = _chunks(iter_documents(files, field))
+        # Workers rebuild the tokenizer from its resolved path: this process's cwd is not theirs.
+        resolved = tok.describe()["path"]
+        total_bytes = sum(path.stat().st_size for path, _ in files)
+        with closing(encode_in_order(chunks, tok, dtype, workers, resolved, eos_token)) as encoded:
+            if _write_splits(encoded, total_bytes, val_fraction, writers) == 0:
+                raise ConfigError(f"data prepare: no text found in {', '.join(inputs)}")
         for w in writers.values():
             w.close()
         num_docs = {s: w.num_documents for s, w in writers.items()}
@@ -300,7 +241,7 @@ def prepare(
         }
         # index.json last: a dataset directory without it is never treated as complete.
         (tmp / "index.json").write_text(json.dumps(index, indent=2) + "\n")
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -321,22 +262,41 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--input",
         action="append",
-        help="a directory, glob or file (repeatable); .jsonl gives one document per line. "
+        help="a directory, glob or file (repeatable): .txt/.py/.md (one document per file), "
+        ".jsonl[.gz|.zst] (one per line), .parquet (one per row). "
         "Default: this Python's standard-library *.py sources",
     )
     p.add_argument("--pattern", default=DEFAULT_PATTERN, help="file names to take from directories")
-    p.add_argument("--jsonl-field", default="text", help="the text field of .jsonl records")
+    p.add_argument(
+        "--field",
+        "--jsonl-field",
+        default="text",
+        help="the text field of JSONL records, and the text column of parquet files",
+    )
     p.add_argument("--tokenizer", help="a local tokenizer.json (default: byte-level, vocab 258)")
     p.add_argument("--eos-token", help="the --tokenizer's end-of-document token")
     p.add_argument("--out", default=DEFAULT_OUT, help="output directory")
     p.add_argument("--val-fraction", type=float, default=0.005, help="share of documents for val")
     p.add_argument("--shard-tokens", type=int, default=2**28, help="max tokens per shard file")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tokenizing processes (default: 1 with the byte tokenizer, whose tokens are the "
+        "bytes themselves; the CPUs this process may use with --tokenizer)",
+    )
     return p
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # SIGTERM (Slurm, timeout, kill) as an exception, so the temporary directory is removed.
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
         prepare(
             args.input,
@@ -344,12 +304,17 @@ def main(argv: list[str] | None = None) -> None:
             tokenizer_path=args.tokenizer,
             val_fraction=args.val_fraction,
             shard_tokens=args.shard_tokens,
-            jsonl_field=args.jsonl_field,
+            field=args.field,
             pattern=args.pattern,
             eos_token=args.eos_token,
+            workers=args.workers,
         )
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:
+        raise SystemExit(f"interrupted: '{args.out}' is as it was") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,13 @@ class HFTokenizer:
         if not file.is_file():
             raise ConfigError(f"data tokenizer: no tokenizer file at '{file}'")
         self.path = str(file.resolve())
-        self._tok: Any = _HFTokenizer.from_file(self.path)
+        try:
+            self._tok: Any = _HFTokenizer.from_file(self.path)
+        except Exception as e:  # the Rust side raises a bare Exception: bad JSON, unknown model
+            reason = " ".join(str(e).split())
+            raise ConfigError(
+                f"data tokenizer: '{file}' is not a valid tokenizer.json ({reason})"
+            ) from e
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id: int = self._find_eos(eos_token)
         self.bos_id: int | None = next(
@@ -131,8 +137,11 @@ class HFTokenizer:
 
     def encode_documents(self, docs: Sequence[bytes]) -> list[np.ndarray]:
         texts = [doc.decode("utf-8", errors="replace") for doc in docs]
-        # encode_batch runs on all cores in Rust, far faster than encoding one document at a time.
-        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        # A batch runs in Rust (on all cores unless TOKENIZERS_PARALLELISM=false), far faster than
+        # one document at a time. encode_batch_fast (recent tokenizers) skips the character
+        # offsets, which prepare does not use: ~30% less time per token, the same ids.
+        encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        encodings = encode_batch(texts, add_special_tokens=False)
         return [np.asarray(enc.ids, dtype=np.int64) for enc in encodings]
 
     def describe(self) -> TokenizerInfo:

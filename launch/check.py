@@ -20,26 +20,27 @@ import argparse
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from checkpoint import ResumePoint, check_resume, checkpoint_folder, list_step_dirs
 from checkpoint.hf import check_hf_config
 from checkpoint.state import CONFIG, read_run_config
-from configs import ConfigError, config_to_dict, config_to_toml
+from configs import ConfigError, HelpRequested, config_to_dict, config_to_toml, parse_config
+from data.documents import check_documents
 from data.loader import DataConfig, DatasetIndex, DataSource, check_eval_split, open_sources
+from launch.job import JobConfig
+from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
-from model import ModelConfig, ModelFamily, get_family
+from model import ModelConfig, ModelFamily, get_family, get_hf_mapping
 from parallel.dims import LaunchEnv, resolve_dims
 from parallel.float8 import check_float8, unmatched_skips
 from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
-
-if TYPE_CHECKING:
-    from train import JobConfig
 
 logger = logging.getLogger("launch.check")
 
@@ -92,9 +93,9 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()
     check_float8(job.fp8, "cuda" if on_gpu else "cpu")
     if job.checkpoint.init_from_hf:
-        if family.hf is None:
+        if (mapping := get_hf_mapping(job.model.name)) is None:
             raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
-        check_hf_config(family.hf, args, job.checkpoint.init_from_hf)
+        check_hf_config(mapping, args, job.checkpoint.init_from_hf)
     with torch.device("meta"):  # no memory: for the shapes and layer names
         meta_model = family.build_model(args)
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
@@ -138,6 +139,8 @@ def data_paths(cfg: DataConfig) -> list[str]:
 
 def check_dataset(job: JobConfig, args: Any, sources: tuple[DataSource, ...]) -> None:
     dataset = sources[0].index  # every source has the same tokenizer (open_sources checks it)
+    for source in sources:  # document masking needs every source's EOS id
+        check_documents(job.data, source.index)
     if dataset.vocab_size > args.vocab_size:
         raise ConfigError(
             f"model.vocab_size ({args.vocab_size}) is smaller than the dataset's tokenizer "
@@ -164,7 +167,8 @@ def check_dataset(job: JobConfig, args: Any, sources: tuple[DataSource, ...]) ->
 # What a resume may change: everything not listed here is applied (and listed in the log).
 # These would change the model's math or the data stream under a running optimizer, so a
 # resume that changes them is an error (start a new run, or fine-tune with load_model_only).
-RESUME_FIXED = ("data.path", "data.seq_len", "data.num_workers", "train.seed")
+RESUME_FIXED = ("data.path", "data.seq_len", "data.num_workers", "data.attention_mask",
+                "data.document_positions", "train.seed")  # fmt: skip
 # Not settings of the run's math: where it lives and how it was started.
 RESUME_IGNORED = ("run.", "dry_run", "checkpoint.resume", "checkpoint.load_model_only",
                   "checkpoint.init_from_hf")  # fmt: skip
@@ -267,6 +271,36 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
 # ---- python -m launch.check ------------------------------------------------------------------
 
 
+def validate(argv: list[str], env: LaunchEnv) -> int:
+    """Check a command line for the world a launcher is about to start, before any rank exists.
+
+    `python -m launch.check` runs this once per job: a config error (bad key, a mesh that does
+    not divide the world, missing data, a checkpoint that does not fit) then ends the job with
+    one line and exit status 2, instead of every rank failing and torchrun retrying it.
+    Returns 0 when the config is fine, else 2 after logging the one line.
+    """
+    try:
+        job = parse_config(JobConfig, argv)
+        check_config(job, env)
+        if not job.dry_run:  # a run folder in use: say so now, not after torchrun started
+            lock = RunLock(Path(job.run.output_dir) / job.run.name)
+            # A few tries: the checks of several nodes may probe a shared folder at once, each
+            # holding the lock for an instant; a trainer holds it for the whole run.
+            for _ in range(4):
+                if (refused := lock.acquire()) is None:
+                    break
+                time.sleep(0.5)
+            if refused:
+                raise ConfigError(refused)
+            lock.release()
+    except HelpRequested:
+        return 0
+    except ConfigError as err:
+        logger.error("config error: %s", err)
+        return 2
+    return 0
+
+
 def check_network(environ: dict[str, str], nodes: int) -> str | None:
     """Log the interface the ranks will use; returns the one-line problem, if any."""
     import socket
@@ -290,10 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default world-size / nnodes)")  # fmt: skip
     args, train_argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
 
-    import train  # after argument parsing: it imports torch, which takes seconds
-    from parallel.dims import LaunchEnv
-
-    train.setup_logging(0)
+    setup_logging(0)
     if problem := check_network(dict(os.environ), args.nnodes):
         logger.error("network error: %s", problem)
         return 2
@@ -304,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         local_world_size=args.local_world_size or args.world_size // max(1, args.nnodes),
         num_nodes=args.nnodes,
     )
-    return train.validate(train_argv, env)
+    return validate(train_argv, env)
 
 
 if __name__ == "__main__":

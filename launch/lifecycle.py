@@ -1,5 +1,5 @@
-"""A rank's life around the training loop: stop signals (finish the step, save, exit), dying
-with the launcher, and one trainer per run folder."""
+"""A rank's life around the training loop: its log lines, stop signals (finish the step, save,
+exit), dying with the launcher, and one trainer per run folder."""
 
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ from typing import Any
 from parallel.runtime import launched_by_torchrun
 
 logger = logging.getLogger(__name__)
+
+
+def setup_logging(rank: int) -> None:
+    """Every line names its rank; ranks other than 0 log warnings and errors only."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
 
 
 # SIGTERM: preemption, scancel, Kubernetes, torchrun forwarding its own stop. SIGINT: Ctrl-C.
@@ -145,8 +154,17 @@ def set_aside_earlier_attempt(run_dir: Path) -> None:
     leftovers = [p for p in (run_dir / "config.toml", run_dir / "tensorboard") if p.exists()]
     if not leftovers:
         return
-    dest = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
-    dest.mkdir(parents=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    # Two starts within one second (a crash loop, a quick retry) must not collide: -2, -3, ...
+    dest, n = run_dir / "previous" / stamp, 1
+    (run_dir / "previous").mkdir(exist_ok=True)
+    while True:
+        try:
+            dest.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+            dest = run_dir / "previous" / f"{stamp}-{n}"
     for path in leftovers:
         path.rename(dest / path.name)
     logger.warning(

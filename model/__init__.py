@@ -2,9 +2,11 @@
 
 A *family* is a module of this package (`model/llama.py`, `model/qwen3.py`) that provides what
 `ModelFamily` below lists. The trainer finds it by `--model.name` through `FAMILIES`, a plain
-dict at the end of this file: a reader can jump from the name to the module. `train.py`,
-`parallel/`, `checkpoint/` and `data/` use only this contract and name no family, so adding a
-model means new files in `model/` and one line in `FAMILIES` (docs/forking.md walks through it).
+dict at the end of this file: a reader can jump from the name to the module. Its Hugging Face
+mapping, if it has one, is a module of its own (`model/llama_hf.py`), named beside it in
+`HF_MAPPINGS`. `train.py`, `parallel/`, `checkpoint/` and `data/` use only this contract and
+name no family, so adding a model means new files in `model/` and one line in `FAMILIES` (and
+one in `HF_MAPPINGS`; docs/forking.md walks through it).
 
 What the trainer may assume, and nothing more:
 
@@ -15,8 +17,15 @@ What the trainer may assume, and nothing more:
 - **Construction.** `build_model(args)` constructs the model under the caller's default device:
   the trainer builds on `meta`, applies parallelism, calls `to_empty`, then `init_weights`.
   Model code is single-device: it never imports `torch.distributed`.
-- **The model** (`TrainableModel`): `forward(tokens (batch, seq) int64) -> logits (batch, seq,
-  vocab)`; `init_weights(seed, rope_len, assign)` fills every parameter from the seed alone,
+- **The model** (`TrainableModel`): `forward(tokens, document_ids=None, positions=None) ->
+  logits (batch, seq, vocab)`, tokens (batch, seq) int64. `document_ids` (batch, seq), the
+  document of each token, nondecreasing along the sequence (data/documents.py): a token attends
+  only to earlier tokens of its own document; None: to every earlier token (plain causal).
+  `positions` (batch, seq): each token's position for RoPE; None: 0..seq-1. A family passes
+  both to `model.attention.document_mask` and `attention` (the shared dispatch: SDPA, the
+  chunked CPU kernel, FlexAttention on GPUs) and indexes its RoPE table with `positions`; one
+  that cannot mask documents raises on `document_ids`.
+  `init_weights(seed, rope_len, assign)` fills every parameter from the seed alone,
   identically on any mesh and device, storing each value through `assign` (the sharded trainer
   keeps only its shard) and (re)builds non-persistent buffers such as the RoPE table for
   sequences up to `rope_len`; `init_buffers(rope_len)` rebuilds only those buffers (after
@@ -28,13 +37,17 @@ What the trainer may assume, and nothing more:
 - **FP8 candidates.** `fp8_linears(model)`: names of the `nn.Linear` layers FP8 may convert
   (the FP8 policy then filters by shape and `fp8.skip`).
 - **FLOPs.** `flops_per_token(model, seq_len)`: training FLOPs per token, for MFU.
-- **Hugging Face** (optional, `hf`, see `HFMapping`): parameter names, any row permutation, and
-  config.json both ways; `checkpoint/export.py` and `checkpoint.init_from_hf` go through it.
+- **Hugging Face** (optional: a module `HFMapping` describes, named in `HF_MAPPINGS`, found by
+  `get_hf_mapping`): parameter names, any row permutation, and config.json both ways;
+  `checkpoint/export.py` and `checkpoint.init_from_hf` go through it. The mapping imports its
+  family (it builds the family's args); the family never imports its mapping.
 - **Tensor parallel** (optional, `TP_PLAN`, None = no TP): module name (`*` = any one name
   segment, e.g. `layers.*.attention.wq`) -> a `TPStyle` below, plain data that
   `parallel/tp.py` turns into `torch.distributed.tensor.parallel` styles. Every parameter must
   be covered. With tp > 1 the attention sees n_heads / tp local heads, so it must size its
-  reshapes from the tensor (`view(b, s, -1, head_dim)`), never from `n_heads`.
+  reshapes from the tensor (`view(b, s, -1, head_dim)`), never from `n_heads`. A
+  "gather_input" module takes its inputs positionally, all of them on every call (the RoPE
+  rows and the mask follow the activations untouched).
 """
 
 from __future__ import annotations
@@ -173,7 +186,12 @@ class ModelArgs(Protocol):
 class TrainableModel(Protocol):
     args: Any
 
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor: ...
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
     def init_weights(
         self, seed: int = 0, rope_len: int | None = None, assign: Assign | None = None
@@ -221,19 +239,28 @@ class ModelFamily(Protocol):
 
     def flops_per_token(self, model: nn.Module, seq_len: int) -> int: ...
 
-    hf: HFMapping | None
-
     TP_PLAN: dict[str, TPStyle] | None
 
 
-# The families, by --model.name. Adding one: its module(s) in model/ and one line here.
-from model import llama, qwen3  # noqa: E402  (after the contract, which the families import)
+# The families, by --model.name, and their Hugging Face mappings. Adding one: its module(s) in
+# model/ and one line in each dict (none in HF_MAPPINGS for a family without a mapping).
+from model import llama, llama_hf, qwen3, qwen3_hf  # noqa: E402  (after the contract they import)
 
 FAMILIES: dict[str, ModelFamily] = {
     "llama3": llama,
     "qwen3": qwen3,
 }
 
+HF_MAPPINGS: dict[str, HFMapping] = {
+    "llama3": llama_hf,
+    "qwen3": qwen3_hf,
+}
+
 
 def get_family(name: str) -> ModelFamily:
     return FAMILIES[name]
+
+
+def get_hf_mapping(name: str) -> HFMapping | None:
+    """The Hugging Face mapping of family `name`; None for a family that has none."""
+    return HF_MAPPINGS.get(name)

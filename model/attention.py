@@ -1,4 +1,16 @@
-"""Causal attention in blocks of plain PyTorch ops: a faster CPU path than SDPA at small heads.
+"""Attention for both families: the one dispatch (`attention`), and causal attention in blocks
+of plain PyTorch ops, a faster CPU path than SDPA at small heads.
+
+`attention(q, k, v, mask, impl)` is what a family's attention module calls after RoPE. `mask`
+is None for plain causal attention over the whole window, or what `document_mask` built once
+per forward from the batch's document ids (data.attention_mask = "document", docs/data.md):
+each query then sees only earlier keys of its own document. Which kernel runs:
+
+| | causal (mask None) | document mask |
+|---|---|---|
+| CUDA | SDPA `is_causal` (or chunked) | FlexAttention with a BlockMask, both compiled |
+| CPU, model.attention = "sdpa" | SDPA `is_causal` | SDPA with a (batch, 1, seq, seq) boolean mask |
+| CPU, model.attention = "chunked" | chunked causal | chunked, comparing document ids per block |
 
 `scaled_dot_product_attention` on CPU runs a flash-attention kernel whose inner matmuls are
 (block x head_dim) tiles. At head_dim 16-64 those tiles are too thin to keep the vector units
@@ -10,46 +22,142 @@ chunk of heads and a block of query rows, small enough to stay in cache:
 - backward recomputes p from q and k (as flash attention does: nothing of size seq^2 is saved),
   then dv = p^T dout, ds = p * (dout v^T - rowsum(dout * out)), dq = ds k, dk = ds^T q.
 
-Query block j only attends to keys [0, end of block j), so the upper triangle is mostly skipped.
+Query block j only attends to keys [0, end of block j), so the upper triangle is mostly skipped;
+with document ids, to keys [start of the document of its first row, end of block j).
 The math is SDPA's, to rounding (tests/test_attention.py checks both directions in float64).
 Use it for bf16 on CPU (bench/attention.py): in fp32 the flash kernel is faster, and on GPUs
 SDPA's fused kernels are far ahead of anything built from separate ops.
 """
 
 # No `from __future__ import annotations`: torch.library reads the custom ops' signatures.
+import functools
+from collections.abc import Iterator
+
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 # Size of one (heads x query rows x keys) score block: 2M bf16 values (4 MiB, within L3) in
 # blocks of 128 query rows measured fastest on the debug shape among 1-128 heads x 64-512 rows.
 BLOCK_ELEMENTS = 1 << 21
 QUERY_ROWS = 128
 
+# What `document_mask` builds for `attention`: a FlexAttention BlockMask (CUDA), a boolean
+# (batch, 1, seq, seq) mask (CPU SDPA), or the (batch, seq) document ids themselves (chunked).
+Mask = BlockMask | torch.Tensor
 
-def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+
+def document_mask(document_ids: torch.Tensor | None, impl: str) -> Mask | None:
+    """The mask of a batch whose token i belongs to document `document_ids[b, i]` (ids
+    nondecreasing along the sequence: each document one contiguous run), for `attention`.
+    Built once per forward and shared by every layer; None (plain causal) without ids."""
+    if document_ids is None:
+        return None
+    if document_ids.device.type == "cuda":
+        return _flex_block_mask(document_ids)
+    if impl == "chunked":  # compared block by block inside the kernel: nothing seq^2 is built
+        return document_ids
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    return same.tril_().unsqueeze(1)  # (batch, 1, seq, seq): broadcast over heads
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None, impl: str
+) -> torch.Tensor:
+    """Attention of q (batch, heads, seq, head_dim) with k, v (batch, kv_heads, seq, head_dim),
+    heads a multiple of kv_heads: causal (mask None), or as `document_mask` built `mask`.
+    `impl` is model.attention: 'sdpa' or 'chunked'."""
+    gqa = q.shape[1] != k.shape[1]  # SDPA and flex broadcast the shared kv heads, no copies
+    if isinstance(mask, BlockMask):
+        flex, _ = _compiled_flex()
+        return flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+    if impl == "chunked":
+        return chunked_causal_attention(q, k, v, mask)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+@functools.cache
+def _compiled_flex() -> tuple:
+    """flex_attention and create_block_mask, compiled on first use (creating the wrappers
+    imports Dynamo, ~2 s, which CPU-only runs never need). Eager flex_attention is a slow
+    reference implementation; compiled, it generates one fused kernel that skips the masked
+    blocks. Inside an already compiled block, Dynamo traces straight through it."""
+    return torch.compile(flex_attention), torch.compile(create_block_mask)
+
+
+def _flex_block_mask(document_ids: torch.Tensor) -> BlockMask:
+    def causal_same_document(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        same = document_ids[b, q_idx] == document_ids[b, kv_idx]
+        return (kv_idx <= q_idx) & same
+
+    batch, seq = document_ids.shape
+    _, block_mask = _compiled_flex()
+    return block_mask(causal_same_document, batch, None, seq, seq, device=document_ids.device)
+
+
+def chunked_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal attention of q (batch, heads, seq, head_dim) with k, v (batch, kv_heads, seq,
-    head_dim); heads must be a multiple of kv_heads (grouped-query attention)."""
+    head_dim); heads must be a multiple of kv_heads (grouped-query attention). With
+    `document_ids` (batch, seq), nondecreasing along the sequence, a query sees only the keys
+    of its own document."""
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:  # each kv head serves n_rep query heads; autograd sums their gradients
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    return _attention(q, k, v)
+    return _attention(q, k, v, document_ids)
 
 
-def _blocks(n_heads: int, seq: int) -> list[tuple[slice, int, int]]:
-    """(heads, first query row, end query row) of every block, in order."""
+def _blocks(n_heads: int, seq: int, group: int | None = None) -> list[tuple[slice, int, int]]:
+    """(heads, first query row, end query row) of every block, in order. `group`: heads per
+    batch element, when no block may span two of them (their document masks differ)."""
     rows = min(seq, QUERY_ROWS)
     heads = max(1, BLOCK_ELEMENTS // (rows * seq))
-    return [
-        (slice(h, h + heads), r, min(r + rows, seq))
-        for h in range(0, n_heads, heads)
-        for r in range(0, seq, rows)
-    ]
+    if group is None:
+        chunks = [(h, h + heads) for h in range(0, n_heads, heads)]
+    else:
+        heads = min(heads, group)
+        chunks = [
+            (b + h, b + min(h + heads, group))
+            for b in range(0, n_heads, group)
+            for h in range(0, group, heads)
+        ]
+    rows_at = range(0, seq, rows)
+    return [(slice(h0, h1), r, min(r + rows, seq)) for h0, h1 in chunks for r in rows_at]
 
 
-def _probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
-    """Softmax of the scores of query rows [r0, r1) over keys [0, r1): later keys are masked."""
+def _masked_blocks(
+    q: torch.Tensor, document_ids: torch.Tensor | None
+) -> Iterator[tuple[slice, int, int, int, torch.Tensor]]:
+    """Every block as (heads, r0, r1, k0, additive mask): query rows [r0, r1) of those heads
+    (of the (batch * heads) flattened q) see at most keys [k0, r1), the mask (0 or -inf) says
+    which of them."""
+    batch, n_heads, seq, _ = q.shape
+    causal = _causal_mask(seq, q)
+    if document_ids is None:
+        for heads, r0, r1 in _blocks(batch * n_heads, seq):
+            yield heads, r0, r1, 0, causal[r0:r1, :r1]
+        return
+    for heads, r0, r1 in _blocks(batch * n_heads, seq, group=n_heads):
+        ids = document_ids[heads.start // n_heads]
+        # Each document is one run of ids: the earliest a row of this block may see is the
+        # first token of row r0's document. Earlier keys are skipped, not just masked.
+        k0 = int(torch.searchsorted(ids, ids[r0 : r0 + 1]))
+        other = ids[r0:r1, None] != ids[None, k0:r1]
+        yield heads, r0, r1, k0, causal[r0:r1, k0:r1].masked_fill(other, float("-inf"))
+
+
+def _probs(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, r0: int, r1: int, k0: int
+) -> torch.Tensor:
+    """Softmax of the scores of query rows [r0, r1) over keys [k0, r1), `mask` added."""
     scale = q.shape[-1] ** -0.5
-    scores = torch.baddbmm(mask[r0:r1, :r1], q[:, r0:r1], k[:, :r1].transpose(1, 2), alpha=scale)
+    scores = torch.baddbmm(mask, q[:, r0:r1], k[:, k0:r1].transpose(1, 2), alpha=scale)
     return torch.softmax(scores, dim=-1)
 
 
@@ -62,21 +170,27 @@ def _causal_mask(seq: int, like: torch.Tensor) -> torch.Tensor:
 # became one graph of separate matmuls and copies that ran slower than eager (BENCHMARKS.md).
 # As ops, compiled blocks fuse everything around attention and call these as they are.
 @torch.library.custom_op("fsdp2_trainer::chunked_attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None
+) -> torch.Tensor:
     seq, head_dim = q.shape[-2:]
     # (batch * heads, seq, head_dim): one batch dimension for bmm.
     q3, k3, v3 = (t.reshape(-1, seq, head_dim) for t in (q, k, v))
-    mask = _causal_mask(seq, q)
     out = torch.empty_like(q3)
-    for heads, r0, r1 in _blocks(q3.shape[0], seq):
-        p = _probs(q3[heads], k3[heads], mask, r0, r1)
-        out[heads, r0:r1] = torch.bmm(p, v3[heads, :r1])
+    for heads, r0, r1, k0, mask in _masked_blocks(q, document_ids):
+        p = _probs(q3[heads], k3[heads], mask, r0, r1, k0)
+        out[heads, r0:r1] = torch.bmm(p, v3[heads, k0:r1])
     return out.view(q.shape)
 
 
 @torch.library.custom_op("fsdp2_trainer::chunked_attention_backward", mutates_args=())
 def _attention_backward(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    document_ids: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     seq, head_dim = q.shape[-2:]
     scale = head_dim**-0.5
@@ -85,28 +199,34 @@ def _attention_backward(
     # in at least fp32.
     acc = torch.promote_types(q.dtype, torch.float32)
     delta = (dout3.to(acc) * out3.to(acc)).sum(-1, keepdim=True).to(q.dtype)
-    mask = _causal_mask(seq, q)
     dq = torch.empty_like(q3)
     dk, dv = torch.zeros_like(k3), torch.zeros_like(v3)
-    for heads, r0, r1 in _blocks(q3.shape[0], seq):
+    for heads, r0, r1, k0, mask in _masked_blocks(q, document_ids):
         q_, k_, v_, do = q3[heads], k3[heads], v3[heads], dout3[heads, r0:r1]
-        p = _probs(q_, k_, mask, r0, r1)
-        dv[heads, :r1].baddbmm_(p.transpose(1, 2), do)
-        ds = torch.bmm(do, v_[:, :r1].transpose(1, 2)).sub_(delta[heads, r0:r1]).mul_(p)
-        dq[heads, r0:r1] = torch.bmm(ds, k_[:, :r1]).mul_(scale)
-        dk[heads, :r1].baddbmm_(ds.transpose(1, 2), q_[:, r0:r1], alpha=scale)
+        p = _probs(q_, k_, mask, r0, r1, k0)
+        dv[heads, k0:r1].baddbmm_(p.transpose(1, 2), do)
+        ds = torch.bmm(do, v_[:, k0:r1].transpose(1, 2)).sub_(delta[heads, r0:r1]).mul_(p)
+        dq[heads, r0:r1] = torch.bmm(ds, k_[:, k0:r1]).mul_(scale)
+        dk[heads, k0:r1].baddbmm_(ds.transpose(1, 2), q_[:, r0:r1], alpha=scale)
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 
 # Shapes for tracing: every output is a new contiguous tensor shaped like its input.
 @_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None
+) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
 @_attention_backward.register_fake
 def _(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    document_ids: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -115,9 +235,9 @@ def _save_inputs_and_output(ctx: FunctionCtx, inputs: tuple, output: torch.Tenso
     ctx.save_for_backward(*inputs, output)
 
 
-def _backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    q, k, v, out = ctx.saved_tensors
-    return _attention_backward(dout, q, k, v, out)
+def _backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    q, k, v, document_ids, out = ctx.saved_tensors
+    return (*_attention_backward(dout, q, k, v, out, document_ids), None)
 
 
 _attention.register_autograd(_backward, setup_context=_save_inputs_and_output)

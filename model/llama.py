@@ -20,7 +20,7 @@ from torch import nn
 
 from configs import ConfigError
 from model import AttentionImpl, ModelConfig, TPStyle, canonical_name, random_init, resolve_args
-from model.attention import chunked_causal_attention
+from model.attention import Mask, attention, document_mask
 from model.random_init import Draw
 
 
@@ -159,11 +159,13 @@ def rope_frequencies(args: LlamaArgs, seq_len: int, device: torch.device | None)
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs (x[2i], x[2i+1]) of each head: Meta's layout, not HF's halves.
 
-    x: (batch, seq, heads, head_dim); rope: (seq, head_dim // 2, 2).
+    x: (batch, seq, heads, head_dim); rope: (seq, head_dim // 2, 2), a table of which the first
+    seq positions are used, or (batch, seq, head_dim // 2, 2), each token's own row.
     """
     pairs = x.float().unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
-    cos, sin = rope[: x.shape[1], None, :, 0], rope[: x.shape[1], None, :, 1]
+    rope = rope[..., : x.shape[1], None, :, :]  # a head dimension, to broadcast over heads
+    cos, sin = rope[..., 0], rope[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return out.flatten(-2).type_as(x)
 
@@ -185,14 +187,14 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.head_dim = args.head_dim
         self.impl = args.attention
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Mask | None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallel this rank holds n_heads / tp of them (model.TPStyle).
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -202,12 +204,7 @@ class Attention(nn.Module):
         # SDPA wants (batch, heads, seq, head_dim); enable_gqa broadcasts the shared kv heads
         # without materializing repeated copies.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.impl == "chunked":
-            out = chunked_causal_attention(q, k, v)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-            )
+        out = attention(q, k, v, mask, self.impl)  # causal, or within documents (mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -231,8 +228,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Mask | None) -> torch.Tensor:
+        # Every input positional: tensor parallel's PrepareModuleInput maps them one to one.
+        x = x + self.attention(self.attention_norm(x), rope, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -252,16 +250,27 @@ class Transformer(nn.Module):
         # not appear in checkpoints. Sized for max_seq_len lazily (see forward) to save memory.
         self.register_buffer("rope", torch.empty(0), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (batch, seq) int64 -> logits: (batch, seq, vocab)."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens: (batch, seq) int64 -> logits: (batch, seq, vocab). `document_ids` (batch,
+        seq): a token attends only to earlier tokens of its own document (None: to every
+        earlier token). `positions` (batch, seq): each token's RoPE position (None: 0..seq-1).
+        See model/__init__.py."""
         if tokens.shape[1] > self.rope.shape[0]:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds the RoPE table "
                 f"({self.rope.shape[0]}); rebuild it with init_buffers(rope_len)"
             )
+        # Once per forward, not per layer: a FlexAttention block mask costs a kernel to build.
+        mask = document_mask(document_ids, self.args.attention)
+        rope = self.rope if positions is None else self.rope[positions]
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope, mask)
         return self.output(self.norm(h))
 
     @torch.no_grad()
@@ -380,10 +389,3 @@ def flops_per_token(model: Transformer, seq_len: int) -> int:
     if not args.tie_embeddings:  # tied, the matrix is also the output projection's
         n -= model.tok_embeddings.weight.numel()
     return 6 * n + 12 * args.n_layers * args.dim * seq_len
-
-
-# The Hugging Face mapping (model.HFMapping): model/llama_hf.py. Imported last: it imports
-# this module's args.
-from model import llama_hf  # noqa: E402
-
-hf = llama_hf

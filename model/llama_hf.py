@@ -1,5 +1,6 @@
 """Llama 3's Hugging Face mapping (`model.HFMapping`): weight names, the q/k row order, and
 config.json both ways. `checkpoint/hf.py` reads and writes the files through it.
+`model.HF_MAPPINGS` names it; it imports `model/llama.py` (for `LlamaArgs`), never the reverse.
 
 Our attention applies RoPE to adjacent pairs (x[2i], x[2i+1]) of each head (Meta's layout);
 `transformers` rotates the first half of a head against the second half. The two are the same
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from configs import ConfigError
 from model import canonical_name
+from model.llama import LlamaArgs
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -80,8 +82,6 @@ def config_json(args, dtype, bos_token_id: int | None, eos_token_id: int | None)
 
 def args_from_config_json(cfg: dict, path: str):
     """Our LlamaArgs for an HF config.json; ConfigError naming what our model cannot run."""
-    from model.llama import LlamaArgs
-
     try:
         dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
         hidden = cfg["intermediate_size"]

@@ -10,8 +10,9 @@ Qwen3 is Llama 3's decoder with four changes, each marked `# Qwen3:` below:
 - the FFN size is a fixed `ffn_dim` (HF's intermediate_size), not derived from dim.
 
 Parameter names, the init policy and the contract functions (`build_args`, `build_model`,
-`fsdp_units`, `fp8_linears`, `flops_per_token`, `hf`) follow `model/llama.py`, so the trainer,
-`parallel/` and `checkpoint/` treat both families alike.
+`fsdp_units`, `fp8_linears`, `flops_per_token`) follow `model/llama.py`, so the trainer,
+`parallel/` and `checkpoint/` treat both families alike. The Hugging Face mapping is
+`model/qwen3_hf.py`, named in `model.HF_MAPPINGS`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 
 from configs import ConfigError
 from model import AttentionImpl, ModelConfig, TPStyle, canonical_name, random_init, resolve_args
-from model.attention import chunked_causal_attention
+from model.attention import Mask, attention, document_mask
 from model.random_init import Draw
 
 
@@ -109,10 +110,12 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     weights as they are: no row permutation, and none for the per-head q_norm/k_norm gains,
     which a permutation of q/k rows would also have to reorder.
 
-    x: (batch, seq, heads, head_dim); rope: (seq, head_dim // 2, 2).
+    x: (batch, seq, heads, head_dim); rope: (seq, head_dim // 2, 2), a table of which the first
+    seq positions are used, or (batch, seq, head_dim // 2, 2), each token's own row.
     """
     x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = rope[: x.shape[1], None, :, 0], rope[: x.shape[1], None, :, 1]
+    rope = rope[..., : x.shape[1], None, :, :]  # a head dimension, to broadcast over heads
+    cos, sin = rope[..., 0], rope[..., 1]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
@@ -132,7 +135,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, args: QwenArgs) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.head_dim = args.head_dim
         self.impl = args.attention
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -141,7 +144,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps)  # Qwen3: QK-norm, one gain per
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps)  # position in a head, shared by heads
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Mask | None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallel this rank holds n_heads / tp of them (model.TPStyle).
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -152,12 +155,7 @@ class Attention(nn.Module):
         # SDPA wants (batch, heads, seq, head_dim); enable_gqa broadcasts the shared kv heads
         # without materializing repeated copies. Its default scale is head_dim ** -0.5.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.impl == "chunked":
-            out = chunked_causal_attention(q, k, v)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-            )
+        out = attention(q, k, v, mask, self.impl)  # causal, or within documents (mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -180,8 +178,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Mask | None) -> torch.Tensor:
+        # Every input positional: tensor parallel's PrepareModuleInput maps them one to one.
+        x = x + self.attention(self.attention_norm(x), rope, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -201,16 +200,27 @@ class Qwen3(nn.Module):
         # Not persistent: a function of the config, rebuilt by init_buffers, never checkpointed.
         self.register_buffer("rope", torch.empty(0), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (batch, seq) int64 -> logits: (batch, seq, vocab)."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens: (batch, seq) int64 -> logits: (batch, seq, vocab). `document_ids` (batch,
+        seq): a token attends only to earlier tokens of its own document (None: to every
+        earlier token). `positions` (batch, seq): each token's RoPE position (None: 0..seq-1).
+        See model/__init__.py."""
         if tokens.shape[1] > self.rope.shape[0]:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds the RoPE table "
                 f"({self.rope.shape[0]}); rebuild it with init_buffers(rope_len)"
             )
+        # Once per forward, not per layer: a FlexAttention block mask costs a kernel to build.
+        mask = document_mask(document_ids, self.args.attention)
+        rope = self.rope if positions is None else self.rope[positions]
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope, mask)
         return self.output(self.norm(h))
 
     @torch.no_grad()
@@ -323,10 +333,3 @@ def flops_per_token(model: Qwen3, seq_len: int) -> int:
     if not args.tie_embeddings:
         n -= model.tok_embeddings.weight.numel()
     return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
-
-
-# The Hugging Face mapping (model.HFMapping): model/qwen3_hf.py. Imported last: it imports
-# this module's args.
-from model import qwen3_hf  # noqa: E402
-
-hf = qwen3_hf

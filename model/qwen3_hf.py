@@ -1,5 +1,6 @@
 """Qwen3's Hugging Face mapping (`model.HFMapping`): weight names and config.json both ways.
-`checkpoint/hf.py` reads and writes the files through it.
+`checkpoint/hf.py` reads and writes the files through it. `model.HF_MAPPINGS` names it; it
+imports `model/qwen3.py` (for `QwenArgs`), never the reverse.
 
 Unlike Llama's mapping there is no row permutation: model/qwen3.py computes RoPE in HF's
 rotate-half layout (see `model.qwen3.apply_rope`), so every tensor is HF's as it is.
@@ -13,6 +14,7 @@ import torch
 
 from configs import ConfigError
 from model import canonical_name
+from model.qwen3 import QwenArgs
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -106,8 +108,6 @@ def _unsupported(cfg: dict, rope_type: str) -> list[str]:
 
 def args_from_config_json(cfg: dict, path: str) -> Any:
     """Our QwenArgs for an HF config.json; ConfigError naming what our model cannot run."""
-    from model.qwen3 import QwenArgs
-
     try:
         # transformers >= 5 writes `rope_parameters` (theta inside); older files `rope_scaling`
         # (null in the published models) and `rope_theta`.

@@ -53,7 +53,8 @@ class ActivationCheckpointConfig:
 
 
 def _saved_ops() -> set[Any]:
-    """Ops whose outputs op-level AC keeps: the matmuls and every SDPA kernel (CPU, CUDA)."""
+    """Ops whose outputs op-level AC keeps: the matmuls, every SDPA kernel (CPU, CUDA) and
+    FlexAttention."""
     aten = torch.ops.aten
     names = [
         "mm",
@@ -64,7 +65,11 @@ def _saved_ops() -> set[Any]:
         "_scaled_dot_product_cudnn_attention",
     ]
     # getattr: not every kernel exists in every build (torch 2.11-2.13, CPU or CUDA).
-    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    # FlexAttention (document masking on GPUs) is a higher-order op, not an aten one.
+    if hasattr(torch.ops.higher_order, "flex_attention"):
+        ops.add(torch.ops.higher_order.flex_attention)
+    return ops
 
 
 def _op_policy(saved: set[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -46,7 +46,8 @@ def apply_compile(model: nn.Module, blocks: list[nn.Module], cfg: CompileConfig)
     Parameter names gain an `_orig_mod.` segment, which DCP's `get_model_state_dict` and
     `model.canonical_name` drop: checkpoints stay interchangeable with eager runs.
     Call after `apply_ac` (the checkpointed block is compiled, recompute included) and before
-    `apply_fsdp` (see the module docstring).
+    `apply_fsdp` (see the module docstring). At tp > 1 with whole-block AC, torch 2.13 needs
+    the reverse of the first: see parallel/workarounds.py.
     """
     if not cfg.enabled:
         return

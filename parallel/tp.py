@@ -21,7 +21,6 @@ import logging
 import warnings
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -122,7 +121,6 @@ def apply_tp(
     tied = _tied_names(model)
     modules = dict(model.named_modules())
     plan: dict[str, ParallelStyle] = {}
-    embeddings: list[nn.Module] = []
     for pattern, kind in family.TP_PLAN.items():
         # One style per concrete module: float8 or not is decided per layer (fp8.skip, filter).
         names = [n for n in modules if _matches(n, pattern)]
@@ -130,8 +128,6 @@ def apply_tp(
             raise ValueError(f"TP_PLAN entry {pattern!r} matches no module")
         for name in names:
             plan[name] = _style(kind, modules[name], isinstance(modules[name], float8_linear))
-            if kind == "embedding":
-                embeddings.append(modules[name])
     parallelize_module(model, tp_mesh, plan)
     # The root's output (the logits DTensor) is a view of the output Linear's result; torch >=
     # 2.13's FSDP then warns once per rank that an in-place op on it would skip its backward
@@ -141,8 +137,6 @@ def apply_tp(
     # all-reduces; DTensor logs that flattening the two mesh dims would make it one. Not worth
     # a private API for one float per step.
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_not_norm_hint)
-    for embedding in embeddings:  # after the style's own hook, which returns the async output
-        embedding.register_forward_hook(_resolved_output)
     for first, others in tied.items():  # the styles replaced each module's copy: share again
         shared = model.get_parameter(first)
         for other in others:
@@ -164,17 +158,6 @@ def loss_context(tp: int) -> contextlib.AbstractContextManager:
     from the slices: three all-reduces of one float per token, instead of all-gathering
     tokens x vocab logits onto every rank; each rank stores 1/tp of the logits."""
     return loss_parallel() if tp > 1 else contextlib.nullcontext()
-
-
-def _resolved_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-    """The embedding's output, copied out of the AsyncCollectiveTensor its (async)
-    reduce-scatter returns. torch 2.13's AOTAutograd waits on such an input of a compiled
-    block and drops its requires_grad (since pytorch/pytorch#179849; fix proposed in #191113):
-    the first block then returns no gradient for it and the embedding never learns. The copy,
-    (batch, seq / tp, dim) once per forward, is a plain tensor with autograd history (`wait()`
-    would detach it). The reduce-scatter could not overlap anyway: the first block's norm
-    needs it at once. Standalone repro: docs/notes/tp_compile_repro.py."""
-    return output.clone()
 
 
 def _matches(name: str, pattern: str) -> bool:

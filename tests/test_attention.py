@@ -1,4 +1,5 @@
-"""model/attention.py against SDPA: same outputs and gradients, in float64 to rounding.
+"""model/attention.py against SDPA: same outputs and gradients, in float64 to rounding, causal
+and with document masks.
 
 The block sizes are shrunk in some cases so that a short sequence still spans several query
 blocks and head chunks (including ragged last ones), the paths a real run takes.
@@ -13,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import model.attention as attention
-from model.attention import chunked_causal_attention
+from data.documents import document_ids
+from model.attention import attention as dispatch
+from model.attention import chunked_causal_attention, document_mask
 from model.llama import LlamaArgs, Transformer
 
 
@@ -53,6 +56,54 @@ def test_matches_sdpa_in_float64(monkeypatch, heads, kv_heads, seq, head_dim, ro
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert g.shape == w.shape, name
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def _documents(batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    """(batch, seq) document ids of random layouts: an EOS (id 0 here) with probability 1/6."""
+    tokens = torch.randint(0, 6, (batch, seq), generator=gen)
+    tokens[0, :3] = 0  # documents of one token, at the window start
+    return document_ids(tokens, eos_id=0)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "seq", "rows", "elements"),
+    [
+        (4, 4, 64, 128, 1 << 21),  # one block per batch element
+        (4, 4, 50, 16, 16 * 50),  # 4 query blocks (the last ragged), one head per chunk
+        (6, 2, 37, 8, 4 * 8 * 37),  # GQA, chunks of 4 heads that do not divide 6
+        (3, 1, 19, 4, 64 * 4 * 19),  # multi-query; a chunk would span batch elements: capped
+    ],
+)
+def test_document_masked_chunked_matches_sdpa_mask_in_float64(
+    monkeypatch, heads, kv_heads, seq, rows, elements
+):
+    """The chunked kernel with document ids (per-block id comparisons, keys before the
+    block's first document skipped) = SDPA with the boolean mask: outputs and gradients."""
+    monkeypatch.setattr(attention, "QUERY_ROWS", rows)
+    monkeypatch.setattr(attention, "BLOCK_ELEMENTS", elements)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(3, heads, seq, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(3, kv_heads, seq, 8, generator=gen, dtype=torch.float64) for _ in "kv")
+    dout = torch.randn_like(q)
+    ids = _documents(3, seq, gen)
+    assert (ids[:, -1] >= 2).all()  # at least three documents in every row
+    chunked = _attend(
+        lambda *t: dispatch(*t, document_mask(ids, "chunked"), "chunked"), q, k, v, dout
+    )
+    sdpa = _attend(lambda *t: dispatch(*t, document_mask(ids, "sdpa"), "sdpa"), q, k, v, dout)
+    causal = _attend(_sdpa, q, k, v, dout)
+    for name, c, s, plain in zip(("out", "dq", "dk", "dv"), chunked, sdpa, causal, strict=True):
+        torch.testing.assert_close(c, s, rtol=1e-10, atol=1e-12, msg=name)
+        assert (c - plain).abs().max() > 0.1, name  # the mask is not the causal one
+
+
+def test_document_mask_is_causal_within_documents():
+    """SDPA's boolean mask: key j visible to query i iff j <= i in the same document."""
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    mask = document_mask(ids, "sdpa")[0, 0]
+    want = [[i >= j and ids[0, i] == ids[0, j] for j in range(6)] for i in range(6)]
+    assert mask.tolist() == want
+    assert document_mask(None, "sdpa") is None and document_mask(ids, "chunked") is ids
 
 
 def test_bf16_error_is_sdpa_sized():
@@ -104,8 +155,13 @@ def test_custom_op_registration_is_consistent():
     """opcheck: schema, fake (meta) shapes and autograd registration agree with the kernels."""
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 24, 8, generator=gen, requires_grad=True) for _ in "qkv")
-    torch.library.opcheck(attention._attention, (q, k, v))
+    torch.library.opcheck(attention._attention, (q, k, v, None))
     # No double backward: the backward op is checked on inputs that do not require grad.
     q, k, v = (t.detach() for t in (q, k, v))
-    out = attention._attention(q, k, v)
-    torch.library.opcheck(attention._attention_backward, (torch.randn_like(out), q, k, v, out))
+    out = attention._attention(q, k, v, None)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(attention._attention_backward, (dout, q, k, v, out, None))
+    ids = document_ids(torch.randint(0, 4, (1, 24), generator=gen), eos_id=0)
+    torch.library.opcheck(attention._attention, (q.requires_grad_(), k, v, ids))
+    out = attention._attention(q.detach(), k, v, ids)
+    torch.library.opcheck(attention._attention_backward, (dout, q.detach(), k, v, out, ids))

@@ -25,6 +25,7 @@ import train
 from checkpoint import COMPLETE
 from checkpoint.integrity import ChecksummingWriter, check_files, read_manifest, verify_files
 from launch.check import check_config
+from launch.job import JobConfig
 from parallel.dims import LaunchEnv
 from tests.distributed import run_distributed
 from tests.test_cli import run_cli
@@ -93,9 +94,9 @@ class _SlowWriter(ChecksummingWriter):
 
 
 def train_with_slow_writer(args: list[str]) -> list[float]:
-    import checkpoint.manager
+    import checkpoint.checkpointer
 
-    checkpoint.manager.ChecksummingWriter = _SlowWriter  # what it builds; only in this rank
+    checkpoint.checkpointer.ChecksummingWriter = _SlowWriter  # what it builds; only in this rank
     return train_losses(args)
 
 
@@ -144,9 +145,9 @@ class _KillingWriter(ChecksummingWriter):
 
 
 def train_and_get_killed(args: list[str]) -> list[float]:
-    import checkpoint.manager
+    import checkpoint.checkpointer
 
-    checkpoint.manager.ChecksummingWriter = _KillingWriter  # only in this rank's process
+    checkpoint.checkpointer.ChecksummingWriter = _KillingWriter  # only in this rank's process
     return train_losses(args)
 
 
@@ -158,7 +159,7 @@ def test_kill_during_save_resumes_from_previous_checkpoint(
     """`kill -9` of rank 1 in the middle of the step-4 save; `resume=auto` then takes step 2.
 
     To make the kill land inside the save every time, without timing and without hooks in
-    production code, rank 1 kills itself: the manager builds its writer as
+    production code, rank 1 kills itself: the Checkpointer builds its writer as
     `ChecksummingWriter(path)`, which the ranks of this run replace with a subclass that
     writes its data and then sends itself SIGKILL while saving step 4. Rank 0 is then blocked
     in DCP's final gather and fails; nobody writes step 4's metadata or COMPLETE marker."""
@@ -181,10 +182,10 @@ def test_kill_during_save_resumes_from_previous_checkpoint(
     assert (partial / COMPLETE).is_file()  # saved again, over the partial directory
 
 
-def parse(args: list[str]) -> train.JobConfig:
+def parse(args: list[str]) -> JobConfig:
     from configs import parse_config
 
-    return parse_config(train.JobConfig, args)
+    return parse_config(JobConfig, args)
 
 
 @pytest.mark.slow
@@ -240,6 +241,7 @@ def test_load_model_only_starts_at_step_0_with_the_weights(
     sync_run: tuple[list, Path], tiny_dataset: str
 ) -> None:
     """A new run (1 process) from the 2-rank checkpoint's weights: fresh steps and data."""
+    from data.documents import MicroBatch
     from data.loader import build_dataloader
     from model.llama import Transformer, build_args
 
@@ -260,7 +262,8 @@ def test_load_model_only_starts_at_step_0_with_the_weights(
     loader = build_dataloader(job.data, "train", dp_rank=0, dp_size=1, micro_batch_size=8, seed=0)
     inputs, targets = next(iter(loader))
     with torch.no_grad():
-        expected = train.summed_loss(model, inputs, targets).item() / targets.numel()
+        batch = MicroBatch(inputs, targets)
+        expected = train.summed_loss(model, batch).item() / targets.numel()
     assert losses[0] == pytest.approx(expected, rel=1e-5)
 
 

@@ -126,14 +126,14 @@ def test_prepare_jsonl_and_val_fallback(tmp_path: Path, caplog: pytest.LogCaptur
     (tmp_path / "in" / "recs.jsonl").write_text("\n".join([*lines[:2], "", *lines[2:]]) + "\n")
     with caplog.at_level(logging.WARNING):
         out = prepare(
-            [str(tmp_path / "in" / "*.jsonl")], tmp_path / "out", jsonl_field="body",
+            [str(tmp_path / "in" / "*.jsonl")], tmp_path / "out", field="body",
             val_fraction=1e-6,
         )  # fmt: skip
     # No record hashes into val at this fraction, so the last one becomes val, with a warning.
     assert _documents(out, "train") == [f"record {i}" for i in range(4)]
     assert _documents(out, "val") == ["record 4"]
     assert "recs.jsonl:6" in caplog.text
-    with pytest.raises(ConfigError, match="--jsonl-field"):
+    with pytest.raises(ConfigError, match="--field"):
         prepare([str(tmp_path / "in")], tmp_path / "out2")  # default field "text" is absent
 
 

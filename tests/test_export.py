@@ -540,9 +540,9 @@ def test_config_json_takes_token_ids_from_the_runs_dataset(
 
 def test_help_example_is_the_quick_start_checkpoint(capsys: pytest.CaptureFixture) -> None:
     """`--help` shows the export of the checkpoint that training configs/debug.toml leaves."""
-    from checkpoint.manager import checkpoint_folder, step_dir
+    from checkpoint import checkpoint_folder, step_dir
     from configs import parse_config
-    from train import JobConfig
+    from launch.job import JobConfig
 
     job = parse_config(JobConfig, [str(Path(__file__).parents[1] / "configs" / "debug.toml")])
     run_dir = Path(job.run.output_dir) / job.run.name

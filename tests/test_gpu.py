@@ -75,6 +75,67 @@ def test_init_on_cuda_is_bitwise_the_cpu_init(dtype: torch.dtype) -> None:
     assert torch.equal(shards[0], shards[2]) and torch.equal(shards[1], shards[3])
 
 
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_document_attention_matches_sdpa_with_the_same_mask(dtype: torch.dtype) -> None:
+    """On CUDA a document mask runs compiled FlexAttention with a BlockMask: its output and
+    gradients are as close to the float64 truth (SDPA with the boolean mask) as SDPA's own in
+    the same dtype; GQA, several documents per row, boundaries inside 128-token blocks."""
+    import torch.nn.functional as F
+
+    from data.documents import document_ids
+    from model.attention import BlockMask, attention, document_mask
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    batch, heads, kv_heads, seq, head_dim = 2, 8, 2, 512, 64
+    ids = document_ids(torch.randint(0, 64, (batch, seq), device="cuda", generator=gen), 0)
+    assert (ids[:, -1] >= 3).all()  # several documents per row
+    dense = document_mask(ids.cpu(), "sdpa").cuda()  # (batch, 1, seq, seq) boolean
+    block_mask = document_mask(ids, "sdpa")
+    assert isinstance(block_mask, BlockMask)
+
+    def run(fn: Callable, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        q, k, v, dout = (t.detach().clone().requires_grad_(i < 3) for i, t in enumerate(inputs))
+        out = fn(q, k, v)
+        out.backward(dout)
+        return [out.detach().double(), q.grad.double(), k.grad.double(), v.grad.double()]
+
+    shapes = [(batch, heads, seq, head_dim), *[(batch, kv_heads, seq, head_dim)] * 2]
+    shapes.append((batch, heads, seq, head_dim))
+    inputs = [torch.randn(s, device="cuda", generator=gen, dtype=torch.float64) for s in shapes]
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+
+    truth = run(sdpa, inputs)
+    low = [t.to(dtype) for t in inputs]
+    flex = run(lambda q, k, v: attention(q, k, v, block_mask, "sdpa"), low)
+    ref = run(sdpa, low)
+    causal = run(lambda q, k, v: attention(q, k, v, None, "sdpa"), low)
+    slack = 1e-5 if dtype == torch.float32 else 1e-3
+    for name, t, f, r, c in zip(("out", "dq", "dk", "dv"), truth, flex, ref, causal, strict=True):
+        err_flex, err_sdpa = ((x - t).norm() / t.norm() for x in (f, r))
+        assert err_flex < 2 * err_sdpa + slack, f"{name}: flex {err_flex:.2e}, SDPA {err_sdpa:.2e}"
+        assert (c - t).norm() / t.norm() > 0.1, name  # the document mask is not causal's
+
+
+@needs_gpu
+def test_document_masking_trains_compiled_on_one_gpu(tiny_dataset: str, tmp_path: Path) -> None:
+    """data.attention_mask=document on CUDA (FlexAttention, its BlockMask through FSDP's hooks
+    and into compiled blocks with op-level AC): the losses of the eager run, and falling."""
+    argv = [
+        f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+        "--parallel.device=cuda", "--parallel.param_dtype=float32", "--train.steps=6",
+        "--train.micro_batch_size=8", "--data.attention_mask=document",
+    ]  # fmt: skip
+    eager = run_distributed(train_losses, 1, [*argv, "--run.name=eager"])[0]
+    compiled = run_distributed(
+        train_losses, 1, [*argv, "--run.name=compiled", "--compile.enabled=true", "--ac.mode=op"]
+    )[0]
+    assert eager[-1] < eager[0]
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=0)
+
+
 def _bench_gpu():
     sys.path.insert(0, str(REPO / "bench"))
     spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "bench" / "gpu.py")

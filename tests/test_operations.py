@@ -241,3 +241,18 @@ def test_fresh_start_in_a_used_run_folder_sets_the_old_attempt_aside(
     [previous] = (tmp_path / "debug" / "previous").iterdir()
     assert (previous / "tensorboard").is_dir() and (previous / "config.toml").is_file()
     assert len(list((tmp_path / "debug" / "tensorboard").iterdir())) == 1
+
+
+def test_two_fresh_starts_within_one_second_set_aside_two_attempts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """previous/<time> has a one-second resolution: a quick retry must not collide with it
+    (it did, as a FileExistsError on every rank, when three short runs shared a folder)."""
+    from launch import lifecycle
+
+    monkeypatch.setattr(lifecycle.time, "strftime", lambda fmt: "20261123-120000")
+    for attempt in ("first", "second"):
+        (tmp_path / "config.toml").write_text(attempt)
+        lifecycle.set_aside_earlier_attempt(tmp_path)
+    moved = {p.name: (p / "config.toml").read_text() for p in (tmp_path / "previous").iterdir()}
+    assert moved == {"20261123-120000": "first", "20261123-120000-2": "second"}

@@ -136,9 +136,9 @@ def test_planner_matches_instrumented_collectives(
     """4 gloo ranks, one optimizer step of 2 micro-batches (bf16 gathers, fp32 reduction):
     bytes per mesh dim within 1% of the planner; sharded state within 10% of its estimate."""
     from configs import parse_config
+    from launch.job import JobConfig
     from model import get_family
     from tests.test_train import TINY
-    from train import JobConfig
 
     argv = [
         f"--data.path={tiny_dataset}",

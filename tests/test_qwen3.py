@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from configs import ConfigError
-from model import FAMILIES, ModelConfig, count_params, qwen3
+from model import FAMILIES, ModelConfig, count_params, get_hf_mapping, qwen3, qwen3_hf
 from model.qwen3 import FLAVORS, Qwen3, QwenArgs, build_args, build_model
 from tests.distributed import run_distributed
 from tests.test_train import FP32, TINY, assert_close, train_losses
@@ -89,10 +89,10 @@ def test_transformers_builds_the_same_parameters(flavor: str) -> None:
     """Every tensor of Qwen3ForCausalLM, of our config.json, is one of ours with its shape."""
     transformers = pytest.importorskip("transformers")
     args = FLAVORS[flavor]
-    config = transformers.Qwen3Config(**qwen3.hf.config_json(args, torch.bfloat16, None, None))
+    config = transformers.Qwen3Config(**qwen3_hf.config_json(args, torch.bfloat16, None, None))
     with torch.device("meta"):
         theirs = transformers.Qwen3ForCausalLM(config)
-    ours = {qwen3.hf.hf_name(n): tuple(p.shape) for n, p in meta_model(args).named_parameters()}
+    ours = {qwen3_hf.hf_name(n): tuple(p.shape) for n, p in meta_model(args).named_parameters()}
     theirs_shapes = {n: tuple(p.shape) for n, p in theirs.named_parameters()}  # tied: once
     assert ours == theirs_shapes
 
@@ -148,6 +148,7 @@ def test_build_args_rejects(fields: dict[str, Any], message: str) -> None:
 
 def test_registered_under_its_name() -> None:
     assert FAMILIES["qwen3"] is qwen3
+    assert get_hf_mapping("qwen3") is qwen3_hf
 
 
 # ---- init ----------------------------------------------------------------------------------
@@ -233,7 +234,7 @@ def unit_scale(model: torch.nn.Module, seed: int = 0) -> None:
 def hf_model(transformers: Any, args: QwenArgs) -> Any:
     """transformers' own model of our config.json, its eager attention as the reference."""
     config = transformers.Qwen3Config(
-        **qwen3.hf.config_json(args, torch.float32, None, None), attn_implementation="eager"
+        **qwen3_hf.config_json(args, torch.float32, None, None), attn_implementation="eager"
     )
     return transformers.Qwen3ForCausalLM(config).eval()
 
@@ -251,7 +252,7 @@ def test_logits_equal_transformers_ours_to_theirs(tied: bool, attention: str) ->
     ours = initialized(args)
     unit_scale(ours)
     theirs = hf_model(transformers, args)
-    state = {qwen3.hf.hf_name(n): p.detach() for n, p in ours.named_parameters()}
+    state = {qwen3_hf.hf_name(n): p.detach() for n, p in ours.named_parameters()}
     missing, unexpected = theirs.load_state_dict(state, strict=False)
     assert (missing, unexpected) == (["lm_head.weight"] if tied else [], [])
     assert (theirs.lm_head.weight is theirs.model.embed_tokens.weight) == tied
@@ -282,29 +283,29 @@ def test_logits_equal_transformers_theirs_to_ours(tied: bool, tmp_path: Path) ->
     ours.init_buffers(SEQ)
     with torch.no_grad():
         for name, param in ours.named_parameters():
-            param.copy_(theirs_state[qwen3.hf.hf_name(name)])
+            param.copy_(theirs_state[qwen3_hf.hf_name(name)])
     x = tokens(args)
     with torch.no_grad():
         assert (ours(x) - theirs(x).logits).abs().max() <= 1e-4
     theirs.config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert qwen3.hf.args_from_config_json(saved, "config.json") == args
+    assert qwen3_hf.args_from_config_json(saved, "config.json") == args
 
 
 @pytest.mark.parametrize("flavor", list(FLAVORS))
 def test_config_json_round_trips(flavor: str) -> None:
     args = FLAVORS[flavor]
-    cfg = qwen3.hf.config_json(args, torch.bfloat16, 151_643, 151_645)
+    cfg = qwen3_hf.config_json(args, torch.bfloat16, 151_643, 151_645)
     assert cfg["rope_scaling"] is None and cfg["head_dim"] == args.head_dim
-    assert qwen3.hf.args_from_config_json(cfg, "config.json") == args
-    assert qwen3.hf.mismatches(args, args) == []
+    assert qwen3_hf.args_from_config_json(cfg, "config.json") == args
+    assert qwen3_hf.mismatches(args, args) == []
     other = dataclasses.replace(args, head_dim=64, rope_theta=1e4)
-    assert qwen3.hf.mismatches(args, other) == [
+    assert qwen3_hf.mismatches(args, other) == [
         f"head_dim {args.head_dim} vs 64",
         "rope_theta 1000000.0 vs 10000.0",
     ]
     assert all(
-        qwen3.hf.rotated_head_dim(n, args) is None for n, _ in meta_model(SMALL).named_parameters()
+        qwen3_hf.rotated_head_dim(n, args) is None for n, _ in meta_model(SMALL).named_parameters()
     )
 
 
@@ -323,23 +324,23 @@ def test_config_json_round_trips(flavor: str) -> None:
     ],
 )  # fmt: skip
 def test_config_json_qwen3_cannot_run_is_a_config_error(change: dict, named: str) -> None:
-    cfg = qwen3.hf.config_json(SMALL, torch.float32, None, None) | change
+    cfg = qwen3_hf.config_json(SMALL, torch.float32, None, None) | change
     with pytest.raises(ConfigError, match=f"x/config.json: unsupported by model.qwen3: {named}"):
-        qwen3.hf.args_from_config_json(cfg, "x/config.json")
+        qwen3_hf.args_from_config_json(cfg, "x/config.json")
 
 
 def test_config_json_edge_cases() -> None:
-    base = qwen3.hf.config_json(SMALL, torch.float32, None, None)
+    base = qwen3_hf.config_json(SMALL, torch.float32, None, None)
     # Sliding-window settings under which no layer slides (the window would start past the
     # last layer) are the same model.
     fine = {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 2}
-    assert qwen3.hf.args_from_config_json(base | fine, "x") == SMALL
+    assert qwen3_hf.args_from_config_json(base | fine, "x") == SMALL
     # head_dim omitted: transformers' Qwen3Config takes 128, not hidden_size // heads.
     no_head_dim = {k: v for k, v in base.items() if k != "head_dim"}
-    assert qwen3.hf.args_from_config_json(no_head_dim, "x").head_dim == 128
+    assert qwen3_hf.args_from_config_json(no_head_dim, "x").head_dim == 128
     no_hidden = {k: v for k, v in base.items() if k != "hidden_size"}
     with pytest.raises(ConfigError, match="x: missing key 'hidden_size'"):
-        qwen3.hf.args_from_config_json(no_hidden, "x")
+        qwen3_hf.args_from_config_json(no_hidden, "x")
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -352,18 +353,18 @@ def test_checkpoint_hf_files_load_in_transformers_and_back(tied: bool, tmp_path:
     args = dataclasses.replace(SMALL, tie_embeddings=tied)
     ours = initialized(args)
     unit_scale(ours, seed=3)
-    save_hf_weights(ours, qwen3.hf, tmp_path, dtype=torch.float32)
+    save_hf_weights(ours, qwen3_hf, tmp_path, dtype=torch.float32)
     theirs = transformers.Qwen3ForCausalLM.from_pretrained(
         tmp_path, dtype=torch.float32, local_files_only=True
     ).eval()
     x = tokens(args)
     with torch.no_grad():
         assert (ours(x) - theirs(x).logits).abs().max() <= 1e-4
-    check_hf_config(qwen3.hf, args, tmp_path)
+    check_hf_config(qwen3_hf, args, tmp_path)
     loaded = meta_model(args)
     loaded.to_empty(device="cpu")
     loaded.init_buffers(SEQ)  # to_empty unties a plain model; FSDP2's keeps the tie
-    load_hf_weights(loaded, qwen3.hf, tmp_path, rope_len=SEQ)
+    load_hf_weights(loaded, qwen3_hf, tmp_path, rope_len=SEQ)
     for (name, a), b in zip(ours.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 

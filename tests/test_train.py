@@ -34,8 +34,9 @@ def train_losses(argv: list[str]) -> list[float]:
     """Parse, check and train in this process (a rank spawned by run_distributed)."""
     from configs import parse_config
     from launch.check import check_config
+    from launch.job import JobConfig
     from parallel.dims import LaunchEnv
-    from train import JobConfig, train
+    from train import train
 
     env = LaunchEnv.from_env()
     job = parse_config(JobConfig, argv)
@@ -169,7 +170,8 @@ def test_fsdp_options_do_not_change_the_math(
 
 
 def test_lr_schedule_warmup_then_decay_to_minimum() -> None:
-    from train import OptimizerConfig, lr_lambda
+    from launch.job import OptimizerConfig
+    from train import lr_lambda
 
     cfg = OptimizerConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, decay="cosine")
     lrs = [lr_lambda(s, cfg, total_steps=14) for s in range(14)]

@@ -7,12 +7,12 @@ compiled function that receives it waits on it before tracing, and the waited te
 not require grad (since pytorch/pytorch#179849; fix proposed in #191113), so no gradient goes
 back to the embedding: eager prints its grad norm, the compiled consumer a crash in the
 DTensor backward that receives nothing (inside FSDP the gradient is silently wrong instead).
-parallel/tp.py works around it (_resolved_output: the embedding's output copied into a plain
-tensor).
+parallel/workarounds.py works around it (workaround 1: the embedding's output copied into a
+plain tensor); tests/test_workarounds.py reproduces it on the trainer's own model.
 
-Not reproduced here (it needs the whole block; tests/test_tp.py's ConfigError case names it):
-a checkpoint_wrapper'd Llama block under TP, compiled, fails at its first forward with
-"expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh".
+Not reproduced here (tests/test_workarounds.py does, with a one-block Llama): a
+checkpoint_wrapper'd block under TP, compiled, fails at its first forward with
+"expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh" (workaround 2).
 """
 
 import os

@@ -1,0 +1,115 @@
+"""The job's config tree: every section a run reads, nested into one `JobConfig`, and the
+sections that belong to the job as a whole (`[run]`, `[train]`, `[optim]`).
+
+    job = parse_config(JobConfig, argv)   # defaults < TOML file < --section.key=value
+
+Each other section is owned by the module that uses it (`ModelConfig` in `model/`,
+`ParallelConfig` in `parallel/dims.py`, ...). `train.py` runs the job and `launch/check.py`
+checks it; both import the tree from here, and nothing here imports either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from checkpoint import CheckpointConfig
+from configs import ConfigError
+from data.loader import DataConfig
+from launch.metrics import MetricsConfig
+from model import ModelConfig
+from parallel.ac import ActivationCheckpointConfig
+from parallel.compile import CompileConfig
+from parallel.dims import ParallelConfig
+from parallel.float8 import Float8Config
+
+
+@dataclass
+class RunConfig:
+    name: str = "debug"
+    """Run name: outputs go to <output_dir>/<name>/."""
+    output_dir: str = "outputs"
+    """Parent directory of run directories."""
+
+
+# AdamW and its schedule: train.py builds them (build_optimizer, lr_lambda).
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-4
+    """Peak learning rate, reached at the end of warm-up."""
+    min_lr_ratio: float = 0.1
+    """The schedule decays to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = 20
+    """Steps of linear warm-up from lr / warmup_steps to lr."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the decay after warm-up."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, for matrices only (norm gains are never decayed)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+    """AdamW kernel: 'auto' = fused (one kernel for all parameters), the fastest everywhere."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
+            raise ConfigError(
+                f"optim: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0 "
+                f"(got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}, "
+                f"warmup_steps={self.warmup_steps})"
+            )
+
+
+# The loop's own settings (train.py); launch/check.py checks the batch arithmetic.
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps to run."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step over all ranks. Fixed across meshes, so a run's math does
+    not change with the number of GPUs."""
+    micro_batch_size: int = 8
+    """Sequences per rank per forward/backward; gradient accumulation makes up the rest."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping; the norm is still logged)."""
+    seed: int = 0
+    """Seeds weights and data order: the same seed gives the same run on any mesh."""
+    on_nonfinite: Literal["error", "skip"] = "error"
+    """A NaN/inf loss or gradient norm stops the run ('error') or skips that update ('skip')."""
+    eval_interval: int = 100
+    """Compute the validation loss every this many steps and at the end (0 = never)."""
+    eval_batches: int = 4
+    """Global batches of the validation split per evaluation (at most what the split holds)."""
+    max_skipped_steps: int = 10
+    """With on_nonfinite='skip': stop with an error after this many skipped steps in a row."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms: bitwise repeatable kernels, somewhat slower."""
+
+    def __post_init__(self) -> None:
+        names = ("steps", "global_batch_size", "micro_batch_size", "eval_batches")
+        for name in (*names, "max_skipped_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_interval < 0 or self.max_grad_norm < 0:
+            raise ConfigError("train: eval_interval and max_grad_norm must be >= 0")
+
+
+@dataclass
+class JobConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fp8: Float8Config = field(default_factory=Float8Config)
+    ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    dry_run: bool = False
+    """Print the resolved config, mesh, parameter count, memory and communication plan, then
+    exit."""

@@ -1,0 +1,54 @@
+"""Workarounds for torch bugs, in one place: each names the bug it works around and the torch
+issue, and tests/test_workarounds.py reproduces each bug without its workaround, failing once a
+torch release no longer has it (that is when to delete the workaround).
+
+Both concern tensor parallel with compiled blocks, seen on torch 2.13 (CPU/gloo):
+
+1. **Embedding output copy.** The TP embedding's reduce-scatter is async: its output is an
+   AsyncCollectiveTensor. AOTAutograd waits on such an input of a compiled block and the waited
+   tensor no longer requires grad (since pytorch/pytorch#179849; a fix is proposed in
+   pytorch/pytorch#191113), so the first block sends no gradient back and the embedding never
+   learns (inside FSDP silently; without it, DTensor's backward fails). Standalone repro:
+   docs/notes/tp_compile_repro.py.
+2. **Compile before whole-block AC.** Compiling a block that `checkpoint_wrapper` recomputes
+   whole, with DTensor ops inside, fails at its first forward: AOTAutograd's partitioner puts
+   the DeviceMesh of the recomputed redistributions among the saved tensors ("expected all
+   tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"). No torch issue was found
+   for it; search for that message. Op-level AC compiles fine; so does checkpointing the
+   compiled block, which recomputes the same ops and gives the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from model import ModelFamily
+from parallel.tp import _matches
+
+
+def tp_compile_workarounds(
+    model: nn.Module, family: ModelFamily, tp: int, compiled: bool, ac_mode: str
+) -> bool:
+    """Apply the workarounds that compiled blocks at tp > 1 need, after `apply_tp` and before
+    `apply_ac` and `apply_compile`. Returns True when the blocks must be compiled before AC
+    wraps them (workaround 2), the reverse of the usual order; False otherwise."""
+    if tp == 1 or not compiled:
+        return False
+    # Workaround 1 (pytorch/pytorch#179849): registered after the embedding style's own hook,
+    # which returns the async output.
+    embeddings = [p for p, kind in family.TP_PLAN.items() if kind == "embedding"]
+    for name, module in model.named_modules():
+        if any(_matches(name, pattern) for pattern in embeddings):
+            module.register_forward_hook(_resolved_output)
+    # Workaround 2 (no torch issue found): only whole-block AC recomputes DTensor redistributions.
+    return ac_mode in ("full", "selective")
+
+
+def _resolved_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's output copied out of the AsyncCollectiveTensor (workaround 1): a plain
+    tensor with autograd history (`wait()` would detach it). The copy, (batch, seq / tp, dim)
+    once per forward, costs no overlap: the first block's norm needs the reduce-scatter at once."""
+    return output.clone()

@@ -1,0 +1,150 @@
+"""The torch bugs parallel/workarounds.py works around, reproduced without their workaround.
+
+Each test asserts that its bug is still there, and that the workaround gives eager's gradients.
+Once a torch release fixes a bug, its test fails saying which workaround to remove (on a torch
+older than 2.13, where the bugs were seen, it is skipped with that message instead: the
+workaround stays while 2.13 is supported).
+
+2 gloo ranks, tp 2, a one-block Llama of dim 32; blocks are compiled with the `aot_eager`
+backend: both bugs are in AOTAutograd, which it runs without Inductor's code generation.
+tests/test_tp.py checks the trainer's own path, with Inductor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+Outcome = dict[str, torch.Tensor | None] | str  # gradients by parameter name, or the error
+
+
+def _outcome(build: Callable[[], torch.nn.Module]) -> Outcome:
+    """One forward and backward of the trainer's loss (loss parallel) on a fixed batch."""
+    from data.documents import MicroBatch
+    from model import canonical_name
+    from parallel.tp import loss_context
+    from train import summed_loss
+
+    torch._dynamo.reset()  # each case compiles anew
+    try:
+        model = build()
+        tokens = torch.arange(16).view(2, 8)
+        with loss_context(2):
+            summed_loss(model, MicroBatch(tokens, tokens.roll(-1, dims=1))).backward()
+    except Exception as err:  # noqa: BLE001 - the bug may be an error; which one may change
+        text = str(err)  # the start and the end (where a type list names DeviceMesh)
+        return f"{type(err).__name__}: {text[:150]} ... {text[-150:]}"
+    return {
+        canonical_name(n): None if p.grad is None else p.grad.full_tensor()
+        for n, p in model.named_parameters()
+    }
+
+
+def tp_compile_cases() -> dict[str, Outcome]:
+    """Each case on a fresh copy of the same model, eager first and the bugs last (an error in
+    a collective's backward may leave it unwaited)."""
+    from model import ModelConfig, get_family
+    from parallel import replace_submodule
+    from parallel.ac import ActivationCheckpointConfig, apply_ac
+    from parallel.dims import LaunchEnv
+    from parallel.runtime import build_mesh, init_distributed
+    from parallel.tp import apply_tp
+    from parallel.workarounds import tp_compile_workarounds
+
+    init_distributed(torch.device("cpu"), LaunchEnv.from_env(), 60)
+    tp_mesh = build_mesh(torch.device("cpu"), 1, 1, 2)["tp"]
+    family = get_family("llama3")
+    args = family.build_args(
+        ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=16)
+    )
+
+    def build(copy: bool, ac: str = "none", compile_first: bool = False) -> Callable:
+        """The tp 2 model, its blocks compiled; `copy`: workaround 1 (the embedding output
+        copy); `compile_first`: workaround 2's order (compile, then AC), else AC, then compile."""
+
+        def make() -> torch.nn.Module:
+            model = eager()
+            if copy:
+                tp_compile_workarounds(model, family, 2, True, ac)
+            if not compile_first:
+                apply_ac(model, family.fsdp_units(model), ActivationCheckpointConfig(mode=ac))
+            for block in family.fsdp_units(model):
+                compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+                replace_submodule(model, block, compiled)
+            if compile_first:
+                apply_ac(model, family.fsdp_units(model), ActivationCheckpointConfig(mode=ac))
+            return model
+
+        return make
+
+    def eager() -> torch.nn.Module:
+        model = family.build_model(args)
+        model.init_weights(seed=0, rope_len=8)
+        apply_tp(model, family, tp_mesh)
+        return model
+
+    cases = {
+        "eager": _outcome(eager),
+        "copy": _outcome(build(copy=True)),
+        "compile_then_ac": _outcome(build(copy=True, ac="full", compile_first=True)),
+        "no_copy": _outcome(build(copy=False)),
+        "ac_then_compile": _outcome(build(copy=True, ac="full")),
+    }
+    torch.distributed.destroy_process_group()
+    return cases
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict[str, Outcome]:
+    return run_distributed(tp_compile_cases, 2)[0]
+
+
+def _same(outcome: Outcome, reference: Outcome) -> bool:
+    if isinstance(outcome, str) or isinstance(reference, str) or outcome.keys() != reference.keys():
+        return False
+    for name, grad in reference.items():
+        got = outcome[name]
+        if (got is None) != (grad is None):
+            return False
+        if grad is not None and not torch.allclose(got, grad, rtol=1e-5, atol=1e-7):
+            return False
+    return True
+
+
+def still_needed(bug_seen: bool, workaround: str) -> None:
+    """Fail (skip before torch 2.13) once the bug is gone: the workaround can go."""
+    if bug_seen:
+        return
+    version = torch.__version__
+    if version < "2.13":
+        pytest.skip(
+            f"torch {version} does not have the bug of workaround {workaround!r}, seen on torch "
+            "2.13: keep the workaround while torch 2.13 is supported"
+        )
+    pytest.fail(
+        f"torch {version} no longer needs workaround {workaround!r}: without it, compiled blocks "
+        "at tp 2 give eager's gradients. Remove it (parallel/workarounds.py and this test)."
+    )
+
+
+@pytest.mark.slow
+def test_compiled_block_drops_the_tp_embeddings_gradient(cases: dict[str, Outcome]) -> None:
+    """pytorch/pytorch#179849: the first compiled block, handed the embedding's async output,
+    sends back no gradient for it (here DTensor's backward fails on it)."""
+    assert isinstance(cases["eager"], dict) and cases["eager"]["tok_embeddings.weight"] is not None
+    assert _same(cases["copy"], cases["eager"]), cases["copy"]
+    still_needed(not _same(cases["no_copy"], cases["eager"]), "embedding output copy")
+
+
+@pytest.mark.slow
+def test_compiling_a_checkpointed_tp_block_fails(cases: dict[str, Outcome]) -> None:
+    """Compiling a block that full AC recomputes, with DTensor ops inside (tp 2), fails: a
+    DeviceMesh among AOTAutograd's saved tensors. The workaround's order (compile, then AC)
+    gives eager's gradients."""
+    assert _same(cases["compile_then_ac"], cases["eager"]), cases["compile_then_ac"]
+    bug_seen = not _same(cases["ac_then_compile"], cases["eager"])
+    still_needed(bug_seen, "compile before whole-block AC")
