@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import train
 from data.stream import GlobalStream
+from launch.check import validate
 from parallel.dims import LaunchEnv
 from tests.distributed import run_distributed
 from tests.test_train import FP32, TINY, assert_close, train_losses
@@ -60,7 +60,7 @@ def config_error(argv: list[str], caplog: pytest.LogCaptureFixture) -> str:
     env = LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, num_nodes=1)
     caplog.clear()
     with caplog.at_level(logging.ERROR, logger="train"):
-        assert train.validate(argv, env) == 2
+        assert validate(argv, env) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "\n" not in errors[0], errors
     assert errors[0].startswith("config error: ")
@@ -72,7 +72,7 @@ def test_bad_sources_are_one_config_error_line(
 ) -> None:
     base = [f"--run.output_dir={tmp_path}", *TINY, "--train.micro_batch_size=8"]
     good = mixture(sources, {"a": 0.75, "b": 0.25})
-    assert train.validate([*base, *good], LaunchEnv(0, 0, 1, 1, 1)) == 0
+    assert validate([*base, *good], LaunchEnv(0, 0, 1, 1, 1)) == 0
     other_tokenizer = Path(shutil.copytree(sources["b"], tmp_path / "hf"))
     index = json.loads((other_tokenizer / "index.json").read_text())
     hf = {"kind": "hf", "path": "/models/x/tokenizer.json", "vocab_size": 258, "eos_id": 0,
