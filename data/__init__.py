@@ -8,6 +8,8 @@
 - ``data.stream``: the global stream as index arithmetic: mixtures, epochs, the batch sampler.
 - ``data.shuffle``: a seeded permutation of [0, n) computed per index (each epoch's order).
 - ``data.documents``: document masking: document ids and targets derived from EOS per batch.
+- ``data.sft``: fine-tuning examples (prompt/response, chat) rendered and tokenized with a
+  loss mask, in ``data.prepare``'s workers.
 
 Nothing is re-exported here, so ``python -m data.prepare`` does not pay for importing torch.
 """

@@ -43,6 +43,8 @@ from data.stream import GlobalStream, GlobalStreamBatchSampler, quantize
 warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
 
 Split = Literal["train", "val"]
+# cross_entropy's ignore_index: a position that is no target.
+NO_TARGET = -100
 
 
 @dataclass
@@ -106,6 +108,8 @@ class Shard:
 
     file: Path
     num_tokens: int
+    mask: Path | None = None
+    """Fine-tuning examples (data/sft.py): one byte per token, 1 where it is a target."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,9 @@ class DatasetIndex:
     splits: dict[str, list[Shard]]
     bos_id: int | None = None
     """None for a tokenizer without BOS, and in index files written before it was recorded."""
+    examples: dict[str, Any] | None = None
+    """Fine-tuning examples with a loss mask per shard: their format (data/sft.py); None for
+    documents, whose every token is a target."""
 
     def num_tokens(self, split: Split) -> int:
         return sum(shard.num_tokens for shard in self.splits.get(split, []))
@@ -152,14 +159,24 @@ def read_index(path: str | Path, key: str = "data.path") -> DatasetIndex:
         raise ConfigError(f"{key}: '{index_file}' is not a JSON object; {remedy}")
     if missing := [name for name in _INDEX_KEYS if name not in raw]:
         raise ConfigError(f"{key}: '{index_file}' has no {', '.join(missing)}; {remedy}")
-    if raw["version"] != 1 or raw["dtype"] not in ("uint16", "uint32"):
+    # Version 2: fine-tuning examples, whose shards carry loss masks (data/prepare.py).
+    if raw["version"] not in (1, 2) or raw["dtype"] not in ("uint16", "uint32"):
         raise ConfigError(
             f"{key}: '{index_file}' has version {raw['version']!r} and dtype "
-            f"{raw['dtype']!r}; this trainer reads version 1 with uint16 or uint32; {remedy}"
+            f"{raw['dtype']!r}; this trainer reads versions 1 and 2 with uint16 or uint32; "
+            f"{remedy}"
         )
+    masked = raw["version"] == 2
     try:
         splits = {
-            split: [Shard(root / entry["file"], int(entry["num_tokens"])) for entry in shards]
+            split: [
+                Shard(
+                    root / entry["file"],
+                    int(entry["num_tokens"]),
+                    root / entry["mask"] if masked else None,
+                )
+                for entry in shards
+            ]
             for split, shards in raw["splits"].items()
         }
         bos_id = raw.get("bos_id")  # absent from files written before it was recorded
@@ -171,6 +188,7 @@ def read_index(path: str | Path, key: str = "data.path") -> DatasetIndex:
             tokenizer=dict(raw["tokenizer"]),
             splits=splits,
             bos_id=None if bos_id is None else int(bos_id),
+            examples=dict(raw["examples"]) if masked else None,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         problem = f"a shard entry has no key {e}" if isinstance(e, KeyError) else str(e)
@@ -182,14 +200,19 @@ def open_dataset(path: str | Path, key: str = "data.path") -> DatasetIndex:
     index = read_index(path, key)
     itemsize = np.dtype(index.dtype).itemsize
     for shard in (shard for shards in index.splits.values() for shard in shards):
-        if not shard.file.is_file():
-            raise ConfigError(f"{key}: shard '{shard.file}' listed in index.json is missing")
-        # A size check catches a truncated copy now instead of as garbage tokens mid-run.
-        if shard.file.stat().st_size != shard.num_tokens * itemsize:
-            raise ConfigError(
-                f"{key}: shard '{shard.file}' has {shard.file.stat().st_size} bytes, "
-                f"index.json expects {shard.num_tokens} {index.dtype} tokens"
-            )
+        # A mask has a byte per token: a size check finds a truncated or missing one, too.
+        for file, size in ((shard.file, itemsize), (shard.mask, 1)):
+            if file is None:
+                continue
+            if not file.is_file():
+                raise ConfigError(f"{key}: shard '{file}' listed in index.json is missing")
+            # A size check catches a truncated copy now instead of as garbage tokens mid-run.
+            if file.stat().st_size != shard.num_tokens * size:
+                what = f"{index.dtype} tokens" if file == shard.file else "mask bytes"
+                raise ConfigError(
+                    f"{key}: shard '{file}' has {file.stat().st_size} bytes, index.json "
+                    f"expects {shard.num_tokens} {what}"
+                )
     return index
 
 
@@ -284,12 +307,15 @@ class TokenSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     Windows of ``seq_len + 1`` tokens start every ``seq_len`` tokens and never cross a shard, so a
     shard of n tokens holds ``(n - 1) // seq_len`` samples. Each target token is predicted once.
+    In a dataset of fine-tuning examples, targets that are not (the loss mask's 0s, and the
+    example that the window cuts at its start, whose prompt lies before it) are NO_TARGET.
     """
 
     def __init__(self, index: DatasetIndex, split: Split, seq_len: int) -> None:
         self.shards = index.splits.get(split, [])
         self.dtype = np.dtype(index.dtype)
         self.seq_len = seq_len
+        self.masked, self.eos_id = index.examples is not None, index.eos_id
         counts = [max(shard.num_tokens - 1, 0) // seq_len for shard in self.shards]
         # starts[i] is the first sample of shard i; bisect over it finds a sample's shard.
         self.starts = np.cumsum([0, *counts]).tolist()
@@ -300,6 +326,7 @@ class TokenSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             )
         # Opened on first access, in whichever process reads: worker processes get their own maps.
         self._maps: list[np.memmap] | None = None
+        self._masks: list[np.memmap] | None = None
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -309,16 +336,36 @@ class TokenSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             raise IndexError(f"sample {i} out of range [0, {len(self)})")
         if self._maps is None:
             self._maps = [np.memmap(s.file, dtype=self.dtype, mode="r") for s in self.shards]
+            if self.masked:
+                self._masks = [np.memmap(s.mask, dtype=np.uint8, mode="r") for s in self.shards]
         shard = bisect.bisect_right(self.starts, i) - 1
         begin = (i - self.starts[shard]) * self.seq_len
-        window = torch.from_numpy(
-            self._maps[shard][begin : begin + self.seq_len + 1].astype(np.int64)
-        )
-        return window[:-1], window[1:]
+        window = self._maps[shard][begin : begin + self.seq_len + 1].astype(np.int64)
+        if not self.masked:
+            return torch.from_numpy(window[:-1]), torch.from_numpy(window[1:])
+        targets = np.where(self._is_target(shard, begin, window), window[1:], NO_TARGET)
+        return torch.from_numpy(window[:-1]), torch.from_numpy(targets)
+
+    def _is_target(self, shard: int, begin: int, window: np.ndarray) -> np.ndarray:
+        """Which positions of the window at token `begin` of `shard` have a target: where the
+        loss mask has a 1, except in an example begun before the window. Its targets, the
+        tokens up to its EOS, would be learned without their prompt: they are learned in the
+        window that holds its beginning (data.seq_len longer than the examples keeps this loss
+        small)."""
+        assert self._masks is not None and self._maps is not None
+        keep = self._masks[shard][begin + 1 : begin + self.seq_len + 1].astype(bool)
+        if begin:
+            before = self._maps[shard][begin - 1]
+        else:  # an example may run on from the previous shard
+            before = self._maps[shard - 1][-1] if shard else self.eos_id
+        if before != self.eos_id:
+            eos = np.flatnonzero(window[:-1] == self.eos_id)
+            keep[: eos[0] if len(eos) else len(keep)] = False
+        return keep
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickling a memmap copies all its data; workers started by spawn reopen the files instead.
-        return {**self.__dict__, "_maps": None}
+        return {**self.__dict__, "_maps": None, "_masks": None}
 
 
 class SourceSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):

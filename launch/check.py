@@ -140,7 +140,7 @@ def data_paths(cfg: DataConfig) -> list[str]:
 def check_dataset(job: JobConfig, args: Any, sources: tuple[DataSource, ...]) -> None:
     dataset = sources[0].index  # every source has the same tokenizer (open_sources checks it)
     for source in sources:  # document masking needs every source's EOS id
-        check_documents(job.data, source.index)
+        check_documents(job.data, source.index, source.key)
     if dataset.vocab_size > args.vocab_size:
         raise ConfigError(
             f"model.vocab_size ({args.vocab_size}) is smaller than the dataset's tokenizer "
