@@ -60,7 +60,9 @@ from parallel.ac import apply_ac
 from parallel.compile import apply_compile, compile_loss
 from parallel.dims import LaunchEnv
 from parallel.float8 import apply_float8, precompute_float8_scales
+from parallel.freeze import apply_freeze
 from parallel.fsdp import apply_fsdp, assign_local_shard, reshard_plan
+from parallel.lora import adapter_names, apply_lora, init_lora
 from parallel.runtime import build_mesh, dp_mesh, dp_rank_and_size, init_distributed, pick_device
 from parallel.tp import apply_tp, loss_context
 from parallel.workarounds import tp_compile_workarounds
@@ -69,9 +71,11 @@ logger = logging.getLogger("train")
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    # Trainable parameters only: frozen ones (train.freeze, LoRA's base) get no state.
     # Decay matrices only: decaying RMSNorm gains toward 0 fights the normalization.
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -187,7 +191,21 @@ def _train(
     # AC, compile and FSDP: they wrap or shard the TP-split modules and DTensors it leaves.
     if plan.tp > 1:
         fp8_comm = job.fp8.enabled and job.fp8.recipe == "tensorwise" and device.type == "cuda"
+        # Not under LoRA: torchao's float8 styles hand the layer a float8 input, which the
+        # adapters would then receive too.
+        fp8_comm = fp8_comm and not job.lora.enabled
         apply_tp(model, plan.family, mesh["tp"], float8_collectives=fp8_comm)
+    # Fine-tuning: LoRA after tensor parallel (its adapters take their placements from the
+    # split base weights) and after float8 (a float8 base keeps its float8 matmul, and the
+    # adapters are never converted); both before FSDP, which keeps frozen and trainable
+    # parameters in the same units. Each leaves requires_grad=False on what does not train.
+    if job.lora.enabled:
+        adapted = apply_lora(model, job.lora)
+        if is_rank0:
+            logger.info("lora: rank %d, alpha %g on %d Linear layers (%s)", job.lora.rank,
+                        job.lora.alpha, len(adapted), ", ".join(job.lora.targets))  # fmt: skip
+    if t.freeze:
+        apply_freeze(model, t.freeze)
     # AC before compile, so the compiled block includes its recompute; compile before FSDP, so
     # its collectives stay outside compiled code. Each asks the family for the blocks anew: the
     # step before may have wrapped them. Compiled blocks at tp > 1 need torch workarounds,
@@ -207,12 +225,19 @@ def _train(
     model.to_empty(device=device)
     if job.checkpoint.init_from_hf and plan.resume is None:
         mapping = get_hf_mapping(job.model.name)  # checked by check_config
-        load_hf_weights(model, mapping, job.checkpoint.init_from_hf, job.data.seq_len)
+        hf_dir, adapters = job.checkpoint.init_from_hf, adapter_names(model)
+        load_hf_weights(model, mapping, hf_dir, job.data.seq_len, exclude=adapters)
     else:  # random init, also when a checkpoint is about to overwrite it (it sets the RoPE table)
         model.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
+    # LoRA's adapters by their own rule, on the base weights from either: B = 0, so the model
+    # starts as the base model, exactly.
+    init_lora(model, t.seed, assign_local_shard)
     n_params = count_params(model)
     if is_rank0:
-        logger.info("model %s: %s parameters", job.model.flavor, f"{n_params:,}")
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        frozen = f" ({trainable:,} trainable, {n_params - trainable:,} frozen)"
+        logger.info("model %s: %s parameters%s", job.model.flavor, f"{n_params:,}",
+                    frozen if trainable < n_params else "")  # fmt: skip
 
     optimizer = build_optimizer(model, job.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -378,8 +403,9 @@ def _train(
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip by the true global norm: the norm of DTensor gradients reduces over all shards
-    (and is the same on every replica), unlike a norm of the local shard."""
-    params = [p for p in model.parameters() if p.grad is not None]
+    (and is the same on every replica), unlike a norm of the local shard. Frozen parameters
+    have no gradient: the norm is over the trainable ones."""
+    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
     if hasattr(norm, "full_tensor"):  # a DTensor: materialize the reduced value
         norm = norm.full_tensor()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Collection
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from configs import ConfigError
-from model import HFMapping
+from model import HFMapping, canonical_name
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -221,9 +222,14 @@ def _check_tensors(
 
 @torch.no_grad()
 def load_hf_weights(
-    model: nn.Module, mapping: HFMapping, hf_dir: str | Path, rope_len: int | None = None
+    model: nn.Module,
+    mapping: HFMapping,
+    hf_dir: str | Path,
+    rope_len: int | None = None,
+    exclude: Collection[str] = (),
 ) -> None:
-    """Fill every parameter of `model` from a local HF safetensors directory.
+    """Fill every parameter of `model` from a local HF safetensors directory, except those
+    whose canonical names are in `exclude` (LoRA's adapters: not part of the base model).
 
     A drop-in for `model.init_weights(seed, rope_len, assign)`: it also calls
     `model.init_buffers(rope_len)` (the RoPE table, ties).
@@ -238,7 +244,11 @@ def load_hf_weights(
     files = _weight_files(hf_dir)
     # named_parameters() lists a tied weight once (tok_embeddings), so a tied model expects no
     # lm_head.weight, and one in the files is reported: it would be a different model.
-    params = {mapping.hf_name(n): (n, p) for n, p in model.named_parameters()}
+    params = {
+        mapping.hf_name(n): (n, p)
+        for n, p in model.named_parameters()
+        if canonical_name(n) not in exclude
+    }
     with ExitStack() as stack:
         handles = {
             file: stack.enter_context(safe_open(file, framework="pt", device="cpu"))

@@ -39,6 +39,8 @@ from launch.plan import format_plan
 from model import ModelConfig, ModelFamily, get_family, get_hf_mapping
 from parallel.dims import LaunchEnv, resolve_dims
 from parallel.float8 import check_float8, unmatched_skips
+from parallel.freeze import apply_freeze
+from parallel.lora import LoRAConfig, apply_lora
 from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
 
@@ -98,6 +100,16 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         check_hf_config(mapping, args, job.checkpoint.init_from_hf)
     with torch.device("meta"):  # no memory: for the shapes and layer names
         meta_model = family.build_model(args)
+    # What trains: patterns that match nothing fail here. LoRA's adapters are checkpoint keys.
+    if job.lora.enabled and t.freeze:
+        raise ConfigError(
+            "train.freeze with lora.enabled: LoRA already freezes every parameter but its "
+            "adapters; choose the adapted layers with lora.targets instead"
+        )
+    if job.lora.enabled:
+        apply_lora(meta_model, job.lora)
+    if t.freeze:
+        apply_freeze(meta_model, t.freeze)
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
     # or unwritable path) surface here too, before anything could hang on them.
     shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
@@ -165,10 +177,12 @@ def check_dataset(job: JobConfig, args: Any, sources: tuple[DataSource, ...]) ->
 
 
 # What a resume may change: everything not listed here is applied (and listed in the log).
-# These would change the model's math or the data stream under a running optimizer, so a
-# resume that changes them is an error (start a new run, or fine-tune with load_model_only).
+# These would change the model's math, what trains (the optimizer holds state for exactly the
+# trainable parameters) or the data stream under a running optimizer, so a resume that changes
+# them is an error (start a new run, or fine-tune with load_model_only). lora.dropout may change.
 RESUME_FIXED = ("data.path", "data.seq_len", "data.num_workers", "data.attention_mask",
-                "data.document_positions", "train.seed")  # fmt: skip
+                "data.document_positions", "train.seed", "train.freeze", "lora.enabled",
+                "lora.rank", "lora.alpha", "lora.targets")  # fmt: skip
 # Not settings of the run's math: where it lives and how it was started.
 RESUME_IGNORED = ("run.", "dry_run", "checkpoint.resume", "checkpoint.load_model_only",
                   "checkpoint.init_from_hf")  # fmt: skip
@@ -182,7 +196,9 @@ def resume_changes(job: JobConfig, path: Path) -> list[str]:
     except Exception as err:  # damaged: Checkpointer.load verifies it and falls back
         logger.warning("cannot read the config of %s (%s): changes not compared", path, err)
         return []
-    old, new = flatten(saved), flatten(config_to_dict(job))
+    # A checkpoint from before fine-tuning settings existed trained everything, without LoRA.
+    before = {"train": {"freeze": []}, "lora": config_to_dict(LoRAConfig())}
+    old, new = flatten(before) | flatten(saved), flatten(config_to_dict(job))
     changed = sorted(
         k for k in old.keys() | new.keys()
         if old.get(k) != new.get(k) and not k.startswith(RESUME_IGNORED)
@@ -202,9 +218,9 @@ def resume_changes(job: JobConfig, path: Path) -> list[str]:
     if fixed:
         what = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed)
         raise ConfigError(
-            f"resuming {path} with a changed {what}: a resume cannot change the model or the "
-            "data stream (see the checkpoint's config in its run folder); start a new run.name, "
-            "or use checkpoint.load_model_only=true to start over from its weights"
+            f"resuming {path} with a changed {what}: a resume cannot change the model, what "
+            "trains or the data stream (see the checkpoint's config in its run folder); start a "
+            "new run.name, or use checkpoint.load_model_only=true to start over from its weights"
         )
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if not k.startswith("model.")]
 
@@ -222,7 +238,7 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
 def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     """`train.py --dry-run`: the resolved config and the run's memory and communication plan,
     printed; nothing is trained and no data is needed."""
-    shape = model_shape(plan.family, plan.args, job.fp8)
+    shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
     mem = plan_memory(
         shape,
         plan.dp_shard,
@@ -257,7 +273,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         + " "
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
-    print(f"# parameters: {shape.numel():,}")
+    print(f"# parameters: {shape.numel():,}, trainable {shape.numel(trainable_only=True):,}")
     if plan.dataset is None:
         where = ", ".join(data_paths(job.data)) or "no data.path or data.sources"
         print(f"# data: {where} not found (a dry run does not need it; training does)")
