@@ -287,11 +287,11 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-    tokens = {s: f"{sum(sh['num_tokens'] for sh in w.shards):,}" for s, w in writers.items()}
-    if masked:  # "docs 1,000 tokens 20,000 (6,000 targets)"
+    tokens = {s: f"{sum(sh['num_tokens'] for sh in w.shards):,} tokens" for s, w in writers.items()}
+    if masked:  # "train 7329 examples 70,371 tokens (26,397 targets)"
         tokens = {s: f"{n} ({writers[s].num_targets:,} targets)" for s, n in tokens.items()}
     logger.info(
-        "prepared %s in %.1fs: train %d %s %s tokens, val %d %s %s tokens (%s, vocab %d, %s)",
+        "prepared %s in %.1fs: train %d %s %s, val %d %s %s (%s, vocab %d, %s)",
         out, time.perf_counter() - start, num_docs["train"], "examples" if masked else "docs",
         tokens["train"], num_docs["val"], "examples" if masked else "docs", tokens["val"],
         tok.describe()["kind"], tok.vocab_size, dtype.name,
