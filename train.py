@@ -464,6 +464,10 @@ def log_orientation(job: JobConfig, plan: Plan, run_dir: Path, ckpt_folder: Path
     every = job.checkpoint.interval
     where = f"every {every} steps and at the end, to {ckpt_folder}" if every else "never"
     logger.info("checkpoints: %s", where + (" (checkpoint.interval=0)" if not every else ""))
+    d = job.data
+    sources = ", ".join(f"{n} {s.weight:g} ({s.path})" for n, s in d.sources.items()) or d.path
+    mask = d.attention_mask + (", positions per document" if d.document_positions else "")
+    logger.info("data: %s; seq_len %d, %s attention", sources, d.seq_len, mask)
     if plan.resume is None:
         logger.info("starting at step 0 of %d", job.train.steps)
     elif not plan.resume.model_only:

@@ -255,7 +255,11 @@ def open_sources(cfg: DataConfig) -> list[DataSource]:
     ]
     first, seen = sources[0], {}
     for source in sources:
-        if (theirs := _identity(source.index)) != (mine := _identity(first.index)):
+        mine, theirs = _identity(first.index), _identity(source.index)
+        if "sha256" not in mine or "sha256" not in theirs:
+            # index.json written before the hash was recorded: compare what both have.
+            mine.pop("sha256", None), theirs.pop("sha256", None)
+        if theirs != mine:
             raise ConfigError(
                 f"data.sources: {first.name} and {source.name} were prepared with different "
                 f"tokenizers or token types ({mine} vs {theirs}); a mixture needs one: prepare "

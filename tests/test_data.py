@@ -457,6 +457,20 @@ def test_prepare_with_local_hf_tokenizer(tmp_path: Path, corpus: tuple[Path, dic
     assert index.dtype == "uint16" and index.tokenizer["kind"] == "hf"
     assert index.eos_id == tok.eos_id == hf.token_to_id("<|endoftext|>")
     assert index.bos_id is None and index.tokenizer["bos_id"] is None  # it has no BOS token
+    # The hash names the tokenizer, not its file: re-saved pretty-printed it is the same; with
+    # two tokens' ids swapped (same size, same special ids) it is another.
+    assert index.tokenizer["sha256"] == tok.describe()["sha256"]
+    raw = json.loads((tmp_path / "tokenizer.json").read_text())
+    (tmp_path / "pretty").mkdir()
+    (tmp_path / "pretty" / "tokenizer.json").write_text(json.dumps(raw, indent=4))
+    assert HFTokenizer(str(tmp_path / "pretty")).describe()["sha256"] == index.tokenizer["sha256"]
+    vocab = raw["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (tmp_path / "swapped").mkdir()
+    (tmp_path / "swapped" / "tokenizer.json").write_text(json.dumps(raw))
+    swapped = HFTokenizer(str(tmp_path / "swapped")).describe()
+    assert swapped["vocab_size"] == tok.vocab_size and swapped["eos_id"] == tok.eos_id
+    assert swapped["sha256"] != index.tokenizer["sha256"]
     tokens = np.fromfile(index.splits["train"][0].file, dtype=np.uint16)
     first_doc = tokens[: np.flatnonzero(tokens == index.eos_id)[0]].tolist()
     assert tok.decode(first_doc) == corpus[1][min(k for k in corpus[1] if not is_val(k, 0.2))]

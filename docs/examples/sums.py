@@ -1,8 +1,8 @@
 """A fine-tuning task a base model cannot do, and the models to start from: README's "Fine-tune a
 Hugging Face model".
 
-    python examples/sums.py make outputs/sums          # models and data
-    python examples/sums.py score BASE_DIR TUNED_DIR ... --data outputs/data/sums
+    python docs/examples/sums.py make outputs/sums          # models and data
+    python docs/examples/sums.py score BASE_DIR TUNED_DIR ... --data outputs/data/sums
 
 `make` writes, with `transformers` (random init, nothing downloaded), a tiny Llama 3
 (`OUT/llama3`) and a tiny Qwen3 (`OUT/qwen3`) of the shapes that configs/sums_llama3.toml and
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's modules
 
 from data.loader import open_dataset  # noqa: E402
 from data.tokenizer import ByteTokenizer  # noqa: E402
@@ -100,7 +100,7 @@ def score(model_dir: Path, examples: list[tuple[np.ndarray, np.ndarray]]) -> tup
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python examples/sums.py",
+        prog="python docs/examples/sums.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
