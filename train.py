@@ -35,7 +35,8 @@ from checkpoint import (
 from checkpoint.hf import load_hf_weights
 from configs import ConfigError, HelpRequested, config_to_toml, parse_config
 from data.documents import MicroBatch, micro_batch
-from data.loader import build_dataloader
+from data.loader import DataSource, build_dataloader
+from data.stream import SourceMeter
 from launch.check import Plan, check_config, dry_run
 from launch.job import JobConfig, OptimizerConfig
 from launch.lifecycle import (
@@ -256,7 +257,10 @@ def _train(
     # The checkpoint brought its own lr, betas, ...: what this run's config says wins (the
     # changes were checked and listed by check_config).
     apply_optimizer_config(optimizer, scheduler, job.optim, progress.step, t.steps)
-    batches = iter(loader)
+    batches = iter(loader)  # loads the checkpoint's data position (and any new mixture weights)
+    # What each source has served is a function of the stream position: rank 0 counts tokens
+    # per source and sees a source run out without asking the other ranks or the workers.
+    sources_seen = SourceMeter(loader.batch_sampler.stream, job.data.seq_len, progress.samples_seen)
     if is_rank0 and progress.step >= t.steps:
         logger.info("resumed at step %d of train.steps=%d: nothing to do", progress.step, t.steps)
 
@@ -352,19 +356,27 @@ def _train(
         progress.step = step
         progress.samples_seen += t.global_batch_size
         progress.tokens_seen += tokens_per_step
+        source_scalars = sources_seen.update(progress.samples_seen, step) if is_rank0 else {}
         # Steps since this process started: the first ones after a resume warm up too.
         meter.record(len(losses), timer.lap() + data_time, data_time, tokens_per_step)
 
         if step % job.metrics.log_interval == 0 or step == t.steps:
             scalars = {"loss/train": loss_value, "lr": lr, "grad_norm": grad_norm_value}
             eta = (time.perf_counter() - started) / len(losses) * (t.steps - step)
-            metrics.log(step, scalars | meter.summary() | memory_stats(device), eta_s=eta)
+            scalars |= source_scalars | meter.summary() | memory_stats(device)
+            metrics.log(step, scalars, eta_s=eta)
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
-            val = build_loader(job, plan, "val", dp_rank, dp_size)
-            n_val = t.eval_batches * plan.grad_accum_steps
-            with loss_context(plan.tp):
-                val_loss = evaluate(model, val, n_val, to_batch, loss_fn)
-            metrics.log(step, {"loss/val": val_loss})
+            # Each source on its own validation split; loss/val is their mean (docs/data.md).
+            val_losses = {}
+            for source in plan.sources:
+                val = build_loader(job, plan, "val", dp_rank, dp_size, source)
+                n_val = t.eval_batches * plan.grad_accum_steps
+                with loss_context(plan.tp):
+                    val_losses[f"loss/val/{source.name}"] = evaluate(
+                        model, val, n_val, to_batch, loss_fn
+                    )
+            val_loss = sum(val_losses.values()) / len(val_losses)
+            metrics.log(step, {"loss/val": val_loss} | (val_losses if len(val_losses) > 1 else {}))
             timer.lap()  # evaluation time is not training throughput
         # After the optimizer step, so the checkpoint of step N holds N updates. A stop
         # request saves now: the next start redoes no finished step.
@@ -402,8 +414,16 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def build_loader(job: JobConfig, plan: Plan, split: str, dp_rank: int, dp_size: int):
-    """This rank's loader of `split`: its slice of the global stream (see data/loader.py)."""
+def build_loader(
+    job: JobConfig,
+    plan: Plan,
+    split: str,
+    dp_rank: int,
+    dp_size: int,
+    source: DataSource | None = None,
+):
+    """This rank's loader of `split`: its slice of the global stream (see data/loader.py), of
+    every source for training, of one `source` for validation."""
     return build_dataloader(
         job.data,
         split,
@@ -411,7 +431,7 @@ def build_loader(job: JobConfig, plan: Plan, split: str, dp_rank: int, dp_size: 
         dp_size=dp_size,
         micro_batch_size=job.train.micro_batch_size,
         seed=job.train.seed,
-        index=plan.dataset,
+        sources=plan.sources if source is None else [source],
     )
 
 
@@ -444,6 +464,10 @@ def log_orientation(job: JobConfig, plan: Plan, run_dir: Path, ckpt_folder: Path
     every = job.checkpoint.interval
     where = f"every {every} steps and at the end, to {ckpt_folder}" if every else "never"
     logger.info("checkpoints: %s", where + (" (checkpoint.interval=0)" if not every else ""))
+    d = job.data
+    sources = ", ".join(f"{n} {s.weight:g} ({s.path})" for n, s in d.sources.items()) or d.path
+    mask = d.attention_mask + (", positions per document" if d.document_positions else "")
+    logger.info("data: %s; seq_len %d, %s attention", sources, d.seq_len, mask)
     if plan.resume is None:
         logger.info("starting at step 0 of %d", job.train.steps)
     elif not plan.resume.model_only:

@@ -10,8 +10,9 @@ The model shape comes from the resolved config stored in the checkpoint itself. 
 `checkpoint.hf.save_hf_weights` writes the HF layout through the family's mapping
 (`model.get_hf_mapping`); load it back with `load_hf_weights` or
 `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`. config.json's bos/eos token ids
-come from the index.json of the run's data.path (relative to the current directory), when it
-is there. OUT_DIR must be new or empty; --force overwrites the export files in it.
+come from the index.json of the run's data.path or first data.sources path (relative to the
+current directory), when it is there. OUT_DIR must be new or empty; --force overwrites the
+export files in it.
 
 A LoRA run (`[lora]`) exports its adapters merged into the base weights (W + alpha/rank * B @ A,
 in float32): a plain model of the family's HF class. With --adapters-only it writes the adapters
@@ -98,15 +99,19 @@ def load_checkpoint_model(
 
 
 def special_token_ids(config: dict) -> tuple[int | None, int | None]:
-    """(bos, eos) ids of the tokenizer of the run's dataset (`config`'s data.path), each None
-    when unknown, with one log line that says which."""
-    data_path = config.get("data", {}).get("path")
+    """(bos, eos) ids of the tokenizer of the run's dataset (`config`'s data.path, or the first
+    of its data.sources: they share one tokenizer), each None when unknown, with one log line
+    that says which."""
+    data = config.get("data", {})
+    sources = [source.get("path") for _, source in sorted(data.get("sources", {}).items())]
+    data_path = data.get("path") or next(iter(sources), None)
+    key = "data.path" if data.get("path") else "first of data.sources"
     index_file = Path(data_path or ".") / "index.json"
     bos_id = eos_id = None
     if data_path is None:
-        reason = "the run's config names no data.path"
+        reason = "the run's config names no data.path or data.sources"
     elif not index_file.is_file():
-        reason = f"{index_file} (the run's data.path) not found from this directory"
+        reason = f"{index_file} (the run's {key}) not found from this directory"
     else:
         try:
             index = read_index(data_path)
