@@ -1,7 +1,7 @@
 """Fine-tuning cost on CPU: full training against half the parameters frozen and LoRA rank 16.
 
     python bench/finetune.py             # ~8 minutes on an idle 2-core machine
-    python bench/finetune.py --rounds 1 --cases full,lora
+    python bench/finetune.py --rounds 1 --cases full,lora-16
 
 Each run is `python train.py` (one process, FSDP2 on a one-rank mesh, as always; 2 threads) on
 the ~100M model of bench/throughput.py (dim 768, 14 layers, fp32, 4 x 256 tokens per step) on
@@ -10,8 +10,8 @@ the stdlib corpus (`python -m data.prepare`), in three variants of the same shap
 | case | what trains |
 |---|---|
 | full | every parameter (99.9M) |
-| half frozen | all but the embedding and blocks 0-6 (`train.freeze`): 49.9M |
-| lora 16 | rank-16 adapters on the attention projections (`[lora]`, defaults): 1.4M |
+| half-frozen | all but the embedding and blocks 0-6 (`train.freeze`): 49.9M |
+| lora-16 | rank-16 adapters on the attention projections (`[lora]`, defaults): 1.4M |
 
 The cases alternate (A B C A B C, `--rounds`) so slow drift of the machine hits all alike.
 Prints tokens/s (median of the per-step samples after warm-up) and peak RSS (the trainer's
@@ -38,8 +38,8 @@ from throughput import M100, Schedule, machine_facts, number, run_once  # noqa: 
 SCHEDULE = Schedule(steps=10, warmup=2, interval=1)
 CASES = {
     "full": [],
-    "half frozen": ["--train.freeze=tok_embeddings.*,layers.[0-6].*"],
-    "lora 16": ["--lora.enabled=true", "--lora.rank=16"],
+    "half-frozen": ["--train.freeze=tok_embeddings.*,layers.[0-6].*"],
+    "lora-16": ["--lora.enabled=true", "--lora.rank=16"],
 }
 RSS_RE = re.compile(r"\brss ([\d.]+)GiB")
 
@@ -74,11 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("no stdlib corpus: run `python -m data.prepare` first")
     threads = os.cpu_count() or 1
     names = opts.cases.split(",")
+    if unknown := sorted(set(names) - set(CASES)):
+        p.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     runs: dict[str, list[dict]] = {name: [] for name in names}
     report: dict = {"machine": machine_facts(), "schedule": vars(SCHEDULE), "results": []}
     for i in range(opts.rounds):
         for name in names:
-            label = f"finetune-{name.replace(' ', '-')}-{i}"
+            label = f"finetune-{name}-{i}"
             program = [sys.executable, "train.py"]
             result = run_once("finetune", label, program, [*M100, *CASES[name]], threads, opts)
             log = (opts.out.parent / "runs" / label / "bench.log").read_text()
