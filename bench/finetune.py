@@ -15,8 +15,8 @@ the stdlib corpus (`python -m data.prepare`), in three variants of the same shap
 
 The cases alternate (A B C A B C, `--rounds`) so slow drift of the machine hits all alike.
 Prints tokens/s (median of the per-step samples after warm-up) and peak RSS (the trainer's
-`rss`, ru_maxrss) per case, with the planner's gradient + optimizer-state bytes for the same
-run (parallel/plan.py); JSON with every command and sample to --out.
+`rss`, ru_maxrss) per case, with the planner's gradient + optimizer-state bytes and kept
+activations for the same run (parallel/plan.py); JSON with every command and sample to --out.
 """
 
 from __future__ import annotations
@@ -54,11 +54,13 @@ def planned_state(args: list[str]) -> dict[str, float]:
     job = parse_config(JobConfig, args)
     family = get_family(job.model.name)
     shape = model_shape(family, family.build_args(job.model), job.fp8, job.lora, job.train.freeze)
-    mem = plan_memory(shape, 1, job.train.micro_batch_size, job.data.seq_len)
+    p = job.parallel
+    mem = plan_memory(shape, 1, job.train.micro_batch_size, job.data.seq_len, p.param_dtype)
     return {
         "params": shape.numel(),
         "trainable": shape.numel(trainable_only=True),
         "grads_optimizer_bytes": mem["grads"] + mem["optimizer"],
+        "activation_bytes": mem["activations"],
     }
 
 
@@ -100,13 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.out.write_text(json.dumps(report, indent=2) + "\n")
     full = next((r for r in report["results"] if r["case"] == "full"), None)
-    print("| case | trains | tok/s | vs full | peak RSS GiB | planner: grads + optimizer |")
-    print("|---|---|---|---|---|---|")
+    print("| case | trains | tok/s | vs full | peak RSS GiB | planner GiB: grads + optimizer "
+          "| activations |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for r in report["results"]:
         ratio = f"{r['tok_s'] / full['tok_s']:.2f}x" if full else "-"
         print(
             f"| {r['case']} | {r['trainable']:,} of {r['params']:,} | {r['tok_s']:,.0f} | "
-            f"{ratio} | {r['peak_rss_gib']:.2f} | {r['grads_optimizer_bytes'] / 2**30:.2f} GiB |"
+            f"{ratio} | {r['peak_rss_gib']:.2f} | {r['grads_optimizer_bytes'] / 2**30:.2f} | "
+            f"{r['activation_bytes'] / 2**30:.2f} |"
         )
     print(f"\nJSON: {opts.out}", file=sys.stderr)
     return 0
