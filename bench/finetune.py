@@ -1,6 +1,6 @@
 """Fine-tuning cost on CPU: full training against half the parameters frozen and LoRA rank 16.
 
-    python bench/finetune.py             # ~8 minutes on an idle 2-core machine
+    python bench/finetune.py             # ~4 minutes on an idle 2-core machine
     python bench/finetune.py --rounds 1 --cases full,lora-16
 
 Each run is `python train.py` (one process, FSDP2 on a one-rank mesh, as always; 2 threads) on
