@@ -50,11 +50,12 @@ from launch.metrics import (
     RunSummary,
     ThroughputMeter,
     Timer,
+    expert_load_scalars,
     memory_stats,
     peak_tflops,
     profile_step,
 )
-from model import count_params, get_hf_mapping
+from model import count_params, get_hf_mapping, moe_family
 from parallel.ac import apply_ac
 from parallel.compile import apply_compile, compile_loss
 from parallel.dims import LaunchEnv
@@ -263,6 +264,8 @@ def _train(
     )
     keep_gathered = plan.grad_accum_steps > 1 and not any(resharded)
     stopping = False
+    moe = moe_family(plan.family)  # None for a dense family: no aux loss, no expert load
+    expert_load = None  # MoE: tokens per expert since the last log line (layers, experts)
 
     for step in range(progress.step + 1, t.steps + 1):
         # All micro-batches up front: their target count fixes the loss normalization.
@@ -276,6 +279,7 @@ def _train(
         # One step (by default none) under torch.profiler: see metrics.profile_step.
         with profile_step(job.metrics, step, run_dir, env.rank):
             loss_sum = torch.zeros((), device=device)
+            moe_sums = []  # MoE: this rank's aux loss and expert load over the step
             for i, batch in enumerate(micro_batches):
                 last = i == plan.grad_accum_steps - 1
                 # Reduce-scatter (and the HSDP all-reduce) only after the last micro-batch;
@@ -291,16 +295,34 @@ def _train(
                     # mean, so scale by dp_size to turn that average into the sum we want. Each
                     # of the tp ranks of a dp rank counted the same targets into global_tokens:
                     # x tp undoes it.
-                    (loss * dp_size * plan.tp).backward()
+                    objective = loss * dp_size * plan.tp
+                    if moe is not None:
+                        # The MoE aux loss is summed over this micro-batch's sequences: divided
+                        # by the step's sequences, it is a global mean like the loss (on any
+                        # mesh and micro-batching, model/__init__.py). Every tp rank computes
+                        # the same value, with the same gradients: no x tp.
+                        aux = moe.aux_loss(model) / t.global_batch_size
+                        objective = objective + aux * dp_size
+                        moe_sums.append(
+                            torch.cat([aux.detach()[None], moe.expert_load(model).flatten()])
+                        )
+                    objective.backward()
                 loss_sum += loss.detach()
 
             grad_norm = clip_grad_norm(model, t.max_grad_norm)
             # The stop flag rides on the loss all-reduce: every rank stops after the same step,
-            # also one that the signal did not reach, and no extra collective is needed.
+            # also one that the signal did not reach, and no extra collective is needed; so do
+            # an MoE's aux loss and expert load.
             summed = torch.stack([loss_sum, torch.tensor(float(stop.requested), device=device)])
+            if moe_sums:
+                summed = torch.cat([summed, torch.stack(moe_sums).sum(0)])
             dist.all_reduce(summed)
             loss_value, grad_norm_value = summed[0].item(), grad_norm.item()
             stopping = summed[1].item() > 0
+            if moe_sums:  # every tp rank added the same values
+                aux_value = summed[2].item() / plan.tp
+                load = summed[3:].view(-1, moe.expert_load(model).shape[-1]) / plan.tp
+                expert_load = load if expert_load is None else expert_load + load
             if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
                 optimizer.step()
                 precompute_float8_scales(model, job.fp8)  # no-op unless fp8 tensorwise
@@ -332,6 +354,9 @@ def _train(
 
         if step % job.metrics.log_interval == 0 or step == t.steps:
             scalars = {"loss/train": loss_value, "lr": lr, "grad_norm": grad_norm_value}
+            if expert_load is not None:  # MoE: this step's aux loss, the load since last time
+                scalars |= {"loss/aux": aux_value} | expert_load_scalars(expert_load)
+                expert_load = None
             eta = (time.perf_counter() - started) / len(losses) * (t.steps - step)
             metrics.log(step, scalars | meter.summary() | memory_stats(device), eta_s=eta)
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
