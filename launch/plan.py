@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         shard_bw = a.intra_bw if shard * tp <= a.gpus_per_node else a.inter_bw
         seconds[name] = comm_seconds(comm, shard_bw * 1e9, a.inter_bw * 1e9, a.intra_bw * 1e9)
     n_params = shape.numel()
-    print(f"{a.family} {a.model} ({n_params / 1e9:.2f}B parameters) on {a.nodes} x "
+    active = f", {shape.active_numel() / 1e9:.2f}B active per token" if shape.top_k else ""
+    print(f"{a.family} {a.model} ({n_params / 1e9:.2f}B parameters{active}) on {a.nodes} x "
           f"{a.gpus_per_node}")  # fmt: skip
     print("\n".join(format_plan(columns)))
     for name, (mem, _) in columns.items():

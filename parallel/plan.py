@@ -28,6 +28,12 @@ real run within 1%):
   all-reduces of a float32 per token). The all-reduces of the replicated norm gains' gradients
   (dim elements each) are left out. Activations divide by tp except the two gathered
   (tokens, dim) block inputs that the split Linears keep.
+- Mixture of experts (a family with `expert_modules`, model/__init__.py): the stacked expert
+  weights are block parameters like the others, sharded over dp_shard along dim 0 (the
+  experts) and all-gathered whole with their block; `Unit.expert` marks them. Activations count
+  the routed copies: top_k per token. Expert parallel (ep > 1, a later `parallel.ep`) would
+  shard those weights over ep ranks too and add two all-to-alls of (tokens x top_k, dim) per
+  MoE layer each way; that is where its bytes and memory go (`Unit.expert`, `ModelShape.top_k`).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from model import ModelFamily
+from model import ModelFamily, moe_family
 from parallel.float8 import Float8Config, float8_policy
 from parallel.fsdp import Reshard, reshard_plan
 
@@ -55,9 +61,15 @@ class Unit:
     float8_gathered: tuple[bool, ...]
     tp_split: tuple[bool, ...] = ()
     """Which parameters tensor parallel splits (the family's TP_PLAN); empty: none."""
+    expert: tuple[bool, ...] = ()
+    """Which parameters are stacked expert weights (dim 0 = expert); empty: none."""
 
     def numel(self) -> int:
         return sum(math.prod(s) for s in self.shapes)
+
+    def expert_numel(self) -> int:
+        experts = self.expert or (False,) * len(self.shapes)
+        return sum(math.prod(s) for s, e in zip(self.shapes, experts, strict=True) if e)
 
     def shard_numel(self, shard: int, fp8_only: bool | None = None, tp: int = 1) -> int:
         """Elements of this rank's (padded) shard: FSDP2 pads dim 0 to a multiple of shard;
@@ -85,9 +97,17 @@ class ModelShape:
     ffn_hidden: int
     n_layers: int
     vocab_size: int
+    top_k: int = 0
+    """Mixture of experts: experts per token (0: a dense model)."""
+    n_experts: int = 0
 
     def numel(self) -> int:
         return sum(u.numel() for u in self.units)
+
+    def active_numel(self) -> int:
+        """Parameters one token uses: top_k / n_experts of each expert weight, all the rest."""
+        experts = sum(u.expert_numel() for u in self.units)
+        return self.numel() - experts + (experts * self.top_k // self.n_experts if experts else 0)
 
 
 def model_shape(family: ModelFamily, args: object, fp8: Float8Config | None = None) -> ModelShape:
@@ -98,6 +118,10 @@ def model_shape(family: ModelFamily, args: object, fp8: Float8Config | None = No
         model = family.build_model(args)
     units = family.fsdp_units(model)
     in_unit = {id(p) for u in units for p in u.parameters()}
+    moe = moe_family(family)
+    experts = set()
+    if moe is not None:
+        experts = {id(p) for m in moe.expert_modules(model) for p in m.parameters()}
     float8 = set()
     if fp8 is not None and fp8.enabled and fp8.recipe == "tensorwise":
         modules = dict(model.named_modules())
@@ -112,12 +136,16 @@ def model_shape(family: ModelFamily, args: object, fp8: Float8Config | None = No
     def unit(params: list[tuple[str, nn.Parameter]]) -> Unit:
         shapes = tuple(tuple(p.shape) for _, p in params)
         return Unit(shapes, tuple(id(p) in float8 for _, p in params),
-                    tuple(id(p) in split for _, p in params))  # fmt: skip
+                    tuple(id(p) in split for _, p in params),
+                    tuple(id(p) in experts for _, p in params))  # fmt: skip
 
     blocks = [unit(list(u.named_parameters())) for u in units]
     root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_unit]
-    # The widest Linear output of a block is its FFN hidden size (SwiGLU's up projections).
-    ffn_hidden = max(m.out_features for m in units[0].modules() if isinstance(m, nn.Linear))
+    if moe is not None:  # one expert's SwiGLU hidden size
+        ffn_hidden, top_k, n_experts = args.moe_ffn_dim, args.top_k, args.n_experts
+    else:  # the widest Linear output of a block is its FFN hidden size (SwiGLU's up projections)
+        ffn_hidden = max(m.out_features for m in units[0].modules() if isinstance(m, nn.Linear))
+        top_k = n_experts = 0
     return ModelShape(
         [*blocks, unit(root)],
         dim=args.dim,
@@ -125,6 +153,8 @@ def model_shape(family: ModelFamily, args: object, fp8: Float8Config | None = No
         ffn_hidden=ffn_hidden,
         n_layers=len(units),
         vocab_size=args.vocab_size,
+        top_k=top_k,
+        n_experts=n_experts,
     )
 
 
@@ -226,19 +256,24 @@ def activation_bytes(
     the matmul and attention outputs (~5·dim + 2·kv_dim + 2·ffn_hidden) and the block input.
     SDPA never materializes the attention matrix. Tensor parallel divides all of it by tp but
     the two block inputs gathered whole for the split Linears (2·dim).
+    A mixture of experts replaces the FFN's part by its routed copies, top_k per token, each
+    with its input and output (2·dim) and the expert's hidden tensors (4·ffn_hidden; op-level
+    AC: 2·ffn_hidden + dim, the grouped GEMM outputs), and the router's ~3·n_experts; every tp
+    rank runs the whole MoE layer, so that part does not divide by tp.
     """
-    d, kv, h = shape.dim, shape.kv_dim, shape.ffn_hidden
+    d, kv, h, k = shape.dim, shape.kv_dim, shape.ffn_hidden, shape.top_k
     gathered = 2 * d * (1 - 1 / tp)
-    full_block = tokens * ((10 * d + 4 * kv + 4 * h) / tp + gathered) * BYTES[param_dtype]
+    ffn, routed = (0, k * (2 * d + 4 * h) + 3 * shape.n_experts) if k else (4 * h, 0)
+    full_block = tokens * ((10 * d + 4 * kv + ffn) / tp + routed + gathered) * BYTES[param_dtype]
     block_input = tokens * d / tp * BYTES[param_dtype]
     n = shape.n_layers
     if ac_mode == "none":
         return n * full_block
     recomputed = full_block if recompute else 0
     if ac_mode == "op":
-        return n * tokens * ((5 * d + 2 * kv + 2 * h) / tp + gathered) * BYTES[param_dtype] + (
-            recomputed
-        )
+        ffn, routed = (0, k * (2 * h + d) + shape.n_experts) if k else (2 * h, 0)
+        kept = (5 * d + 2 * kv + ffn) / tp + routed + gathered
+        return n * tokens * kept * BYTES[param_dtype] + recomputed
     checkpointed = n if ac_mode == "full" else math.ceil(n / ac_every)
     return checkpointed * block_input + (n - checkpointed) * full_block + recomputed
 
