@@ -35,7 +35,8 @@ from checkpoint import (
 from checkpoint.hf import load_hf_weights
 from configs import ConfigError, HelpRequested, config_to_toml, parse_config
 from data.documents import MicroBatch, micro_batch
-from data.loader import build_dataloader
+from data.loader import DataSource, build_dataloader
+from data.stream import SourceMeter
 from launch.check import Plan, check_config, dry_run
 from launch.job import JobConfig, OptimizerConfig
 from launch.lifecycle import (
@@ -60,7 +61,9 @@ from parallel.ac import apply_ac
 from parallel.compile import apply_compile, compile_loss
 from parallel.dims import LaunchEnv
 from parallel.float8 import apply_float8, precompute_float8_scales
+from parallel.freeze import apply_freeze
 from parallel.fsdp import apply_fsdp, assign_local_shard, reshard_plan
+from parallel.lora import adapter_names, apply_lora, init_lora
 from parallel.runtime import build_mesh, dp_mesh, dp_rank_and_size, init_distributed, pick_device
 from parallel.tp import apply_tp, loss_context
 from parallel.workarounds import tp_compile_workarounds
@@ -69,9 +72,11 @@ logger = logging.getLogger("train")
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    # Trainable parameters only: frozen ones (train.freeze, LoRA's base) get no state.
     # Decay matrices only: decaying RMSNorm gains toward 0 fights the normalization.
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -187,7 +192,21 @@ def _train(
     # AC, compile and FSDP: they wrap or shard the TP-split modules and DTensors it leaves.
     if plan.tp > 1:
         fp8_comm = job.fp8.enabled and job.fp8.recipe == "tensorwise" and device.type == "cuda"
+        # Not under LoRA: torchao's float8 styles hand the layer a float8 input, which the
+        # adapters would then receive too.
+        fp8_comm = fp8_comm and not job.lora.enabled
         apply_tp(model, plan.family, mesh["tp"], float8_collectives=fp8_comm)
+    # Fine-tuning: LoRA after tensor parallel (its adapters take their placements from the
+    # split base weights) and after float8 (a float8 base keeps its float8 matmul, and the
+    # adapters are never converted); both before FSDP, which keeps frozen and trainable
+    # parameters in the same units. Each leaves requires_grad=False on what does not train.
+    if job.lora.enabled:
+        adapted = apply_lora(model, job.lora)
+        if is_rank0:
+            logger.info("lora: rank %d, alpha %g on %d Linear layers (%s)", job.lora.rank,
+                        job.lora.alpha, len(adapted), ", ".join(job.lora.targets))  # fmt: skip
+    if t.freeze:
+        apply_freeze(model, t.freeze)
     # AC before compile, so the compiled block includes its recompute; compile before FSDP, so
     # its collectives stay outside compiled code. Each asks the family for the blocks anew: the
     # step before may have wrapped them. Compiled blocks at tp > 1 need torch workarounds,
@@ -207,12 +226,19 @@ def _train(
     model.to_empty(device=device)
     if job.checkpoint.init_from_hf and plan.resume is None:
         mapping = get_hf_mapping(job.model.name)  # checked by check_config
-        load_hf_weights(model, mapping, job.checkpoint.init_from_hf, job.data.seq_len)
+        hf_dir, adapters = job.checkpoint.init_from_hf, adapter_names(model)
+        load_hf_weights(model, mapping, hf_dir, job.data.seq_len, exclude=adapters)
     else:  # random init, also when a checkpoint is about to overwrite it (it sets the RoPE table)
         model.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
+    # LoRA's adapters by their own rule, on the base weights from either: B = 0, so the model
+    # starts as the base model, exactly.
+    init_lora(model, t.seed, assign_local_shard)
     n_params = count_params(model)
     if is_rank0:
-        logger.info("model %s: %s parameters", job.model.flavor, f"{n_params:,}")
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        frozen = f" ({trainable:,} trainable, {n_params - trainable:,} frozen)"
+        logger.info("model %s: %s parameters%s", job.model.flavor, f"{n_params:,}",
+                    frozen if trainable < n_params else "")  # fmt: skip
 
     optimizer = build_optimizer(model, job.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -232,7 +258,10 @@ def _train(
     # The checkpoint brought its own lr, betas, ...: what this run's config says wins (the
     # changes were checked and listed by check_config).
     apply_optimizer_config(optimizer, scheduler, job.optim, progress.step, t.steps)
-    batches = iter(loader)
+    batches = iter(loader)  # loads the checkpoint's data position (and any new mixture weights)
+    # What each source has served is a function of the stream position: rank 0 counts tokens
+    # per source and sees a source run out without asking the other ranks or the workers.
+    sources_seen = SourceMeter(loader.batch_sampler.stream, job.data.seq_len, progress.samples_seen)
     if is_rank0 and progress.step >= t.steps:
         logger.info("resumed at step %d of train.steps=%d: nothing to do", progress.step, t.steps)
 
@@ -349,6 +378,7 @@ def _train(
         progress.step = step
         progress.samples_seen += t.global_batch_size
         progress.tokens_seen += tokens_per_step
+        source_scalars = sources_seen.update(progress.samples_seen, step) if is_rank0 else {}
         # Steps since this process started: the first ones after a resume warm up too.
         meter.record(len(losses), timer.lap() + data_time, data_time, tokens_per_step)
 
@@ -358,13 +388,20 @@ def _train(
                 scalars |= {"loss/aux": aux_value} | expert_load_scalars(expert_load)
                 expert_load = None
             eta = (time.perf_counter() - started) / len(losses) * (t.steps - step)
-            metrics.log(step, scalars | meter.summary() | memory_stats(device), eta_s=eta)
+            scalars |= source_scalars | meter.summary() | memory_stats(device)
+            metrics.log(step, scalars, eta_s=eta)
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
-            val = build_loader(job, plan, "val", dp_rank, dp_size)
-            n_val = t.eval_batches * plan.grad_accum_steps
-            with loss_context(plan.tp):
-                val_loss = evaluate(model, val, n_val, to_batch, loss_fn)
-            metrics.log(step, {"loss/val": val_loss})
+            # Each source on its own validation split; loss/val is their mean (docs/data.md).
+            val_losses = {}
+            for source in plan.sources:
+                val = build_loader(job, plan, "val", dp_rank, dp_size, source)
+                n_val = t.eval_batches * plan.grad_accum_steps
+                with loss_context(plan.tp):
+                    val_losses[f"loss/val/{source.name}"] = evaluate(
+                        model, val, n_val, to_batch, loss_fn
+                    )
+            val_loss = sum(val_losses.values()) / len(val_losses)
+            metrics.log(step, {"loss/val": val_loss} | (val_losses if len(val_losses) > 1 else {}))
             timer.lap()  # evaluation time is not training throughput
         # After the optimizer step, so the checkpoint of step N holds N updates. A stop
         # request saves now: the next start redoes no finished step.
@@ -391,8 +428,9 @@ def _train(
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip by the true global norm: the norm of DTensor gradients reduces over all shards
-    (and is the same on every replica), unlike a norm of the local shard."""
-    params = [p for p in model.parameters() if p.grad is not None]
+    (and is the same on every replica), unlike a norm of the local shard. Frozen parameters
+    have no gradient: the norm is over the trainable ones."""
+    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
     if hasattr(norm, "full_tensor"):  # a DTensor: materialize the reduced value
         norm = norm.full_tensor()
@@ -401,8 +439,16 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def build_loader(job: JobConfig, plan: Plan, split: str, dp_rank: int, dp_size: int):
-    """This rank's loader of `split`: its slice of the global stream (see data/loader.py)."""
+def build_loader(
+    job: JobConfig,
+    plan: Plan,
+    split: str,
+    dp_rank: int,
+    dp_size: int,
+    source: DataSource | None = None,
+):
+    """This rank's loader of `split`: its slice of the global stream (see data/loader.py), of
+    every source for training, of one `source` for validation."""
     return build_dataloader(
         job.data,
         split,
@@ -410,7 +456,7 @@ def build_loader(job: JobConfig, plan: Plan, split: str, dp_rank: int, dp_size: 
         dp_size=dp_size,
         micro_batch_size=job.train.micro_batch_size,
         seed=job.train.seed,
-        index=plan.dataset,
+        sources=plan.sources if source is None else [source],
     )
 
 
@@ -443,6 +489,10 @@ def log_orientation(job: JobConfig, plan: Plan, run_dir: Path, ckpt_folder: Path
     every = job.checkpoint.interval
     where = f"every {every} steps and at the end, to {ckpt_folder}" if every else "never"
     logger.info("checkpoints: %s", where + (" (checkpoint.interval=0)" if not every else ""))
+    d = job.data
+    sources = ", ".join(f"{n} {s.weight:g} ({s.path})" for n, s in d.sources.items()) or d.path
+    mask = d.attention_mask + (", positions per document" if d.document_positions else "")
+    logger.info("data: %s; seq_len %d, %s attention", sources, d.seq_len, mask)
     if plan.resume is None:
         logger.info("starting at step 0 of %d", job.train.steps)
     elif not plan.resume.model_only:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import ConfigError, HelpRequested, parse_config  # noqa: E402
-from data.loader import build_dataloader, open_dataset  # noqa: E402
+from data.loader import build_dataloader  # noqa: E402
 from launch.job import JobConfig, OptimizerConfig  # noqa: E402
 from launch.metrics import ThroughputMeter, Timer, format_scalars  # noqa: E402
 from model import count_params, get_family  # noqa: E402
@@ -119,7 +119,6 @@ def train(job: JobConfig, bf16_mode: Bf16Mode) -> None:
         dp_size=1,
         micro_batch_size=t.micro_batch_size,
         seed=t.seed,
-        index=open_dataset(job.data.path),
     )
     batches = iter(loader)
     tokens_per_step = t.global_batch_size * job.data.seq_len

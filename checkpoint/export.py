@@ -2,6 +2,7 @@
 
     python -m checkpoint.export outputs/debug/checkpoints/step-200 outputs/debug/hf
     python -m checkpoint.export CHECKPOINT_DIR OUT_DIR --dtype float32 [--force]
+    python -m checkpoint.export CHECKPOINT_DIR OUT_DIR --adapters-only   # a LoRA run's adapters
 
 Reads only the "model" entry of the DCP checkpoint (not the optimizer state, which is twice as
 large) into a plain model, whatever mesh saved it: DCP stores full shapes and reshards on load.
@@ -9,8 +10,14 @@ The model shape comes from the resolved config stored in the checkpoint itself. 
 `checkpoint.hf.save_hf_weights` writes the HF layout through the family's mapping
 (`model.get_hf_mapping`); load it back with `load_hf_weights` or
 `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`. config.json's bos/eos token ids
-come from the index.json of the run's data.path (relative to the current directory), when it
-is there. OUT_DIR must be new or empty; --force overwrites the export files in it.
+come from the index.json of the run's data.path or first data.sources path (relative to the
+current directory), when it is there. OUT_DIR must be new or empty; --force overwrites the
+export files in it.
+
+A LoRA run (`[lora]`) exports its adapters merged into the base weights (W + alpha/rank * B @ A,
+in float32): a plain model of the family's HF class. With --adapters-only it writes the adapters
+alone in PEFT's layout instead (checkpoint/peft.py), to load on top of the base model with
+`peft.PeftModel.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -24,10 +31,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from checkpoint.hf import INDEX_FILE, MAX_SHARD_BYTES, save_hf_weights
+from checkpoint.peft import ADAPTER_FILES, save_peft_adapters
 from checkpoint.state import MODEL, load_no_dist, read_run_config
 from configs import ConfigError
 from data.loader import read_index
 from model import ModelConfig, get_family, get_hf_mapping
+from parallel.lora import LoRAConfig, apply_lora, merge_lora
 
 logger = logging.getLogger("checkpoint.export")
 
@@ -36,7 +45,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def _load(checkpoint_dir: Path, rope_len: int | None = None) -> tuple[torch.nn.Module, dict]:
     """The model of a complete DCP training checkpoint, ready for sequences up to `rope_len`
-    (default: its max_seq_len), and the run's config."""
+    (default: its max_seq_len), and the run's config. A LoRA run's model has its adapters."""
     if not checkpoint_dir.is_dir():
         raise ConfigError(f"checkpoint not found: {checkpoint_dir}")
     if not (checkpoint_dir / "COMPLETE").is_file():
@@ -51,8 +60,9 @@ def _load(checkpoint_dir: Path, rope_len: int | None = None) -> tuple[torch.nn.M
     config, source = read_run_config(checkpoint_dir, set(metadata))
     try:
         model_config = ModelConfig(**config.get("model", {}))
+        lora = LoRAConfig(**config.get("lora", {}))
     except TypeError as e:
-        raise ConfigError(f"cannot read the [model] config from {source}: {e}") from e
+        raise ConfigError(f"cannot read the [model] or [lora] config from {source}: {e}") from e
     family = get_family(model_config.name)
     if get_hf_mapping(model_config.name) is None:
         raise ConfigError(f"model family {model_config.name} has no Hugging Face mapping")
@@ -61,6 +71,8 @@ def _load(checkpoint_dir: Path, rope_len: int | None = None) -> tuple[torch.nn.M
     # buffers (RoPE table, tied weights) are not in any checkpoint: the model rebuilds them.
     with torch.device("meta"):
         model = family.build_model(args)
+        if lora.enabled:
+            apply_lora(model, lora)
     model.to_empty(device="cpu")
     model.init_buffers(rope_len or args.max_seq_len)
     # Keys of the model entry; named_parameters() skips a tied output.weight (same tensor).
@@ -87,15 +99,19 @@ def load_checkpoint_model(
 
 
 def special_token_ids(config: dict) -> tuple[int | None, int | None]:
-    """(bos, eos) ids of the tokenizer of the run's dataset (`config`'s data.path), each None
-    when unknown, with one log line that says which."""
-    data_path = config.get("data", {}).get("path")
+    """(bos, eos) ids of the tokenizer of the run's dataset (`config`'s data.path, or the first
+    of its data.sources: they share one tokenizer), each None when unknown, with one log line
+    that says which."""
+    data = config.get("data", {})
+    sources = [source.get("path") for _, source in sorted(data.get("sources", {}).items())]
+    data_path = data.get("path") or next(iter(sources), None)
+    key = "data.path" if data.get("path") else "first of data.sources"
     index_file = Path(data_path or ".") / "index.json"
     bos_id = eos_id = None
     if data_path is None:
-        reason = "the run's config names no data.path"
+        reason = "the run's config names no data.path or data.sources"
     elif not index_file.is_file():
-        reason = f"{index_file} (the run's data.path) not found from this directory"
+        reason = f"{index_file} (the run's {key}) not found from this directory"
     else:
         try:
             index = read_index(data_path)
@@ -133,23 +149,39 @@ def export_checkpoint(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     force: bool = False,
+    adapters_only: bool = False,
 ) -> list[Path]:
     """Write `checkpoint_dir`'s model to `out_dir` in its family's HF layout; returns the files.
 
     `dtype` defaults to the run's `checkpoint.export_dtype` (bfloat16 if it has none).
     A non-empty `out_dir` is an error unless `force`: then the weight files of an earlier export
-    there are replaced (stale shards removed), and other files are left alone.
+    there are replaced (stale shards removed), and other files are left alone. A LoRA run's
+    adapters are merged into the weights, or with `adapters_only` written alone (PEFT's layout).
     """
     out = Path(out_dir)
     _check_out_dir(out, force)
     model, config = _load(Path(checkpoint_dir))
+    lora = LoRAConfig(**config.get("lora", {}))
+    if adapters_only and not lora.enabled:
+        raise ConfigError(
+            f"--adapters-only: {checkpoint_dir} is not from a LoRA run (its lora.enabled is "
+            "false), it has no adapters; export the whole model without --adapters-only"
+        )
     if dtype is None:
         dtype = DTYPES[config.get("checkpoint", {}).get("export_dtype", "bfloat16")]
+    mapping = get_hf_mapping(ModelConfig(**config.get("model", {})).name)
+    if adapters_only:
+        if out.is_dir():
+            for stale in ADAPTER_FILES:
+                (out / stale).unlink(missing_ok=True)
+        files = save_peft_adapters(model, mapping, lora, out, dtype)
+        logger.info("wrote the LoRA adapters (PEFT layout) to %s", out)
+        return files
     bos_id, eos_id = special_token_ids(config)
     if out.is_dir():  # with force: shards of an earlier, larger export must not linger
         for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
             stale.unlink(missing_ok=True)
-    mapping = get_hf_mapping(ModelConfig(**config.get("model", {})).name)
+    merge_lora(model)  # a LoRA run: W + alpha/rank * B @ A; nothing to do otherwise
     files = save_hf_weights(model, mapping, out, dtype, max_shard_bytes, bos_id, eos_id)
     logger.info("wrote %d file(s) and config.json to %s", len(files), out)
     return files
@@ -171,11 +203,16 @@ def main(argv: list[str] | None = None) -> int:
         "--force", action="store_true",
         help="write into a non-empty OUT_DIR, replacing the files of an earlier export",
     )  # fmt: skip
+    parser.add_argument(
+        "--adapters-only", action="store_true",
+        help="a LoRA run: write only its adapters, in PEFT's layout (default: merged weights)",
+    )  # fmt: skip
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
         dtype = DTYPES[opts.dtype] if opts.dtype else None
-        export_checkpoint(opts.checkpoint_dir, opts.out_dir, dtype, force=opts.force)
+        export_checkpoint(opts.checkpoint_dir, opts.out_dir, dtype, force=opts.force,
+                          adapters_only=opts.adapters_only)  # fmt: skip
     except ConfigError as err:
         logger.error("export error: %s", err)
         return 2

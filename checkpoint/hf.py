@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Collection
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from configs import ConfigError
-from model import HFMapping, hf_split_names
+from model import HFMapping, canonical_name, hf_split_names
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -40,13 +41,16 @@ def to_hf_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def hf_tensors(
-    model: nn.Module, mapping: HFMapping
+    model: nn.Module, mapping: HFMapping, exclude: Collection[str] = ()
 ) -> dict[str, tuple[str, torch.Tensor, int | None]]:
     """HF tensor name -> (our parameter name, the parameter, the row of dim 0 that tensor is,
-    or None for all of it). A parameter the mapping splits (stacked experts, one HF tensor per
-    expert: `model.hf_split_names`) gives one entry per row. A tied weight is listed once."""
+    or None for all of it), for the parameters whose canonical names are not in `exclude`. A
+    parameter the mapping splits (stacked experts, one HF tensor per expert:
+    `model.hf_split_names`) gives one entry per row. A tied weight is listed once."""
     tensors: dict[str, tuple[str, torch.Tensor, int | None]] = {}
     for name, param in model.named_parameters():
+        if canonical_name(name) in exclude:
+            continue
         rows = hf_split_names(mapping, name, model.args)
         if rows is None:
             tensors[mapping.hf_name(name)] = (name, param, None)
@@ -238,9 +242,14 @@ def _check_tensors(hf_dir: Path, tensors: dict, slices: dict, unexpected: set[st
 
 @torch.no_grad()
 def load_hf_weights(
-    model: nn.Module, mapping: HFMapping, hf_dir: str | Path, rope_len: int | None = None
+    model: nn.Module,
+    mapping: HFMapping,
+    hf_dir: str | Path,
+    rope_len: int | None = None,
+    exclude: Collection[str] = (),
 ) -> None:
-    """Fill every parameter of `model` from a local HF safetensors directory.
+    """Fill every parameter of `model` from a local HF safetensors directory, except those
+    whose canonical names are in `exclude` (LoRA's adapters: not part of the base model).
 
     A drop-in for `model.init_weights(seed, rope_len, assign)`: it also calls
     `model.init_buffers(rope_len)` (the RoPE table, ties).
@@ -255,7 +264,7 @@ def load_hf_weights(
     files = _weight_files(hf_dir)
     # named_parameters() lists a tied weight once (tok_embeddings), so a tied model expects no
     # lm_head.weight, and one in the files is reported: it would be a different model.
-    tensors = hf_tensors(model, mapping)
+    tensors = hf_tensors(model, mapping, exclude)
     with ExitStack() as stack:
         handles = {
             file: stack.enter_context(safe_open(file, framework="pt", device="cpu"))
@@ -265,7 +274,7 @@ def load_hf_weights(
         _check_tensors(hf_dir, tensors, slices, set(files) - set(tensors))
         for name, param in model.named_parameters():
             ranges = local_ranges(param)
-            if ranges is None:
+            if ranges is None or canonical_name(name) in exclude:
                 continue
             local = param.to_local() if isinstance(param, DTensor) else param
             if (rows := hf_split_names(mapping, name, model.args)) is None:

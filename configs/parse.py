@@ -104,6 +104,13 @@ def _is_section(hint: Any) -> bool:
     return isinstance(hint, type) and is_dataclass(hint)
 
 
+def _is_table_map(hint: Any) -> bool:
+    """`dict[str, SomeConfig]`: named sections `[field.NAME]` of one dataclass, e.g. the
+    sources of a data mixture, set from the command line as `--field.NAME.KEY=VALUE`."""
+    args = get_args(hint)
+    return get_origin(hint) is dict and len(args) == 2 and args[0] is str and _is_section(args[1])
+
+
 def _is_union(hint: Any) -> bool:
     return get_origin(hint) in (Union, types.UnionType)
 
@@ -123,19 +130,31 @@ def _lookup(cls: type, name: str, prefix: str, source: str) -> Any:
 
 def _resolve(cls: type, parts: list[str], source: str) -> Any:
     """Type of the leaf named by a dotted command-line key, checking every level on the way."""
-    for i, name in enumerate(parts):
+    i = 0
+    while True:
         prefix = "".join(p + "." for p in parts[:i])
-        hint = _lookup(cls, name, prefix, source)
-        path = prefix + name
-        if _is_section(hint) and i == len(parts) - 1:
+        hint = _lookup(cls, parts[i], prefix, source)
+        path = prefix + parts[i]
+        if _is_table_map(hint):
+            entry = get_args(hint)[1]
+            if i + 2 >= len(parts):  # `--map` or `--map.NAME` with no key of the entry
+                raise ConfigError(
+                    f"'{'.'.join(parts)}' is a section, not a value ({source}); set an entry's "
+                    f"keys as --{path}.NAME.KEY=VALUE, valid keys: {', '.join(_hints(entry))}"
+                )
+            cls, i = entry, i + 2  # parts[i + 1] names the entry: any name is valid here
+            continue
+        last = i == len(parts) - 1
+        if _is_section(hint) and last:
             raise ConfigError(
                 f"'{path}' is a section, not a value ({source}); set its keys as "
                 f"--{path}.KEY=VALUE, valid keys: {', '.join(_hints(hint))}"
             )
-        if not _is_section(hint) and i < len(parts) - 1:
+        if not _is_section(hint) and not last:
             raise _not_a_section(path, hint, source)
-        cls = hint
-    return hint
+        if last:
+            return hint
+        cls, i = hint, i + 1
 
 
 def _not_a_section(path: str, hint: Any, source: str) -> ConfigError:
@@ -146,7 +165,17 @@ def _merge_toml(store: dict, cls: type, table: dict, prefix: str, source: str) -
     for name, value in table.items():
         hint = _lookup(cls, name, prefix, source)
         path = prefix + name
-        if _is_section(hint):
+        if _is_table_map(hint):
+            if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+                raise ConfigError(
+                    f"'{path}' holds named sections: expected tables [{path}.NAME], got "
+                    f"{value!r} ({source})"
+                )
+            entries = store.setdefault(name, {})
+            for entry, table in value.items():
+                sub = entries.setdefault(entry, {})
+                _merge_toml(sub, get_args(hint)[1], table, f"{path}.{entry}.", source)
+        elif _is_section(hint):
             if not isinstance(value, dict):
                 raise ConfigError(
                     f"'{path}' is a section: expected a table [{path}], got {value!r} ({source})"
@@ -227,6 +256,12 @@ def _build(cls: type[T], store: dict, prefix: str, defaults: Any) -> T:
             sub_defaults = _field_default(f, hint, defaults)
             sub_defaults = None if sub_defaults is MISSING else sub_defaults
             kwargs[f.name] = _build(hint, store.get(f.name, {}), path + ".", sub_defaults)
+        elif _is_table_map(hint) and f.name in store:  # given entries replace the default map
+            entry = get_args(hint)[1]
+            kwargs[f.name] = {
+                name: _build(entry, sub, f"{path}.{name}.", None)
+                for name, sub in store[f.name].items()
+            }
         elif f.name in store:
             kwargs[f.name] = store[f.name]
         elif (default := _field_default(f, hint, defaults)) is not MISSING:
@@ -260,13 +295,17 @@ def _help_lines(cls: type, prefix: str, defaults: Any, lines: list[str]) -> None
         if not f.init:
             continue
         hint, doc = hints[f.name], " ".join(docs.get(f.name, "").split())
-        if _is_section(hint):
+        if _is_section(hint) or _is_table_map(hint):
             sections.append((f, hint, doc))
             continue
         default = _field_default(f, hint, defaults)
         shown = "required" if default is MISSING else f"default: {_toml_value(default)}"
         lines.append(f"  --{prefix}{f.name}=<{_type_name(hint)}> ({shown})  {doc}".rstrip())
     for f, hint, doc in sections:
+        if _is_table_map(hint):  # one entry's keys, under the placeholder NAME
+            lines += ["", f"[{prefix}{f.name}.NAME]  {doc}".rstrip()]
+            _help_lines(get_args(hint)[1], f"{prefix}{f.name}.NAME.", None, lines)
+            continue
         lines += ["", f"[{prefix}{f.name}]  {doc}".rstrip()]
         sub_defaults = _field_default(f, hint, defaults)
         _help_lines(

@@ -7,6 +7,7 @@ import ast
 import inspect
 import itertools
 import math
+import re
 import textwrap
 from dataclasses import fields, is_dataclass
 from typing import Any
@@ -38,7 +39,10 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
         value = getattr(cfg, f.name)
         if not f.init or value is None:
             continue
-        out[f.name] = config_to_dict(value) if is_dataclass(value) else value
+        if isinstance(value, dict):  # named sections, e.g. data.sources
+            out[f.name] = {k: config_to_dict(v) if is_dataclass(v) else v for k, v in value.items()}
+        else:
+            out[f.name] = config_to_dict(value) if is_dataclass(value) else value
     return out
 
 
@@ -78,6 +82,10 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} {value!r} as TOML")
 
 
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_value(key)
+
+
 def _comment(doc: str | None) -> list[str]:
     return [f"# {line}".rstrip() for line in doc.splitlines()] if doc else []
 
@@ -88,10 +96,15 @@ def _toml_lines(cfg: Any, prefix: str, lines: list[str]) -> None:
         value = getattr(cfg, f.name)
         if not f.init or value is None:
             continue
+        # TOML needs a table's plain keys before its subtables.
         if is_dataclass(value):
-            sections.append((f.name, value))  # TOML needs a table's plain keys before subtables
+            sections.append((f.name, value, docs.get(f.name)))
+        elif isinstance(value, dict):  # named sections [name.ENTRY], the doc above the first
+            for i, (entry, sub) in enumerate(value.items()):
+                doc = docs.get(f.name) if i == 0 else None
+                sections.append((f"{f.name}.{_toml_key(entry)}", sub, doc))
         else:
             lines += [*_comment(docs.get(f.name)), f"{f.name} = {_toml_value(value)}"]
-    for name, sub in sections:
-        lines += ["", *_comment(docs.get(name)), f"[{prefix}{name}]"]
+    for name, sub, doc in sections:
+        lines += ["", *_comment(doc), f"[{prefix}{name}]"]
         _toml_lines(sub, f"{prefix}{name}.", lines)

@@ -29,10 +29,7 @@ from typing import NamedTuple
 import torch
 
 from configs import ConfigError
-from data.loader import DataConfig, DatasetIndex
-
-# cross_entropy's ignore_index: a position that is no target.
-NO_TARGET = -100
+from data.loader import NO_TARGET, DataConfig, DatasetIndex
 
 
 class MicroBatch(NamedTuple):
@@ -85,10 +82,18 @@ def document_positions(ids: torch.Tensor) -> torch.Tensor:
     return index - torch.where(starts, index, 0).cummax(dim=-1).values
 
 
-def check_documents(cfg: DataConfig, index: DatasetIndex) -> None:
-    """ConfigError, at startup, for document masking on a dataset without a usable EOS id:
-    none recorded (index.json `eos_id` null) or one outside the tokenizer's vocabulary, which
-    no token can equal, so every window would silently be one document."""
+def check_documents(cfg: DataConfig, index: DatasetIndex, key: str = "data.path") -> None:
+    """ConfigError, at startup, for fine-tuning examples (`key` names the setting) without
+    document masking, whose packed examples would attend to each other; and for document
+    masking on a dataset without a usable EOS id: none recorded (index.json `eos_id` null) or
+    one outside the tokenizer's vocabulary, which no token can equal, so every window would
+    silently be one document."""
+    if index.examples is not None and cfg.attention_mask != "document":
+        raise ConfigError(
+            f"{key}: '{index.path}' holds fine-tuning examples ({index.examples['format']}), "
+            f"packed several to a window; with data.attention_mask='{cfg.attention_mask}' each "
+            "would attend to the examples before it: set data.attention_mask='document'"
+        )
     if cfg.attention_mask != "document":
         return
     eos = index.eos_id

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from data.sft import ExampleFormat, encode_examples
 from data.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -38,6 +39,8 @@ class Encoded(NamedTuple):
     ends: np.ndarray
     """Where each document (with its EOS) ends in ``tokens``."""
     position: int
+    mask: np.ndarray | None = None
+    """With examples (data.sft): uint8 per token of ``tokens``, 1 where it is a target."""
 
 
 def encode(tok: Tokenizer, dtype: np.dtype, docs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
@@ -48,8 +51,21 @@ def encode(tok: Tokenizer, dtype: np.dtype, docs: list[bytes]) -> tuple[np.ndarr
     return tokens, np.cumsum([len(ids) + 1 for ids in encoded])
 
 
+def encode_chunk(
+    tok: Tokenizer,
+    dtype: np.dtype,
+    examples: ExampleFormat | None,
+    keys: list[str],
+    docs: list[bytes],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A chunk's tokens, document ends and, for examples (data.sft), the loss mask."""
+    if examples is None:
+        return (*encode(tok, dtype, docs), None)
+    return encode_examples(tok, dtype, examples, keys, docs)
+
+
 # Set once per worker process by _start_worker.
-_worker: tuple[Tokenizer, np.dtype] | None = None
+_worker: tuple[Tokenizer, np.dtype, ExampleFormat | None] | None = None
 
 
 def _exit_with(parent_pid: int) -> None:
@@ -61,7 +77,11 @@ def _exit_with(parent_pid: int) -> None:
 
 
 def _start_worker(
-    parent_pid: int, tokenizer_path: str | None, eos_token: str | None, dtype: str
+    parent_pid: int,
+    tokenizer_path: str | None,
+    eos_token: str | None,
+    dtype: str,
+    examples: ExampleFormat | None,
 ) -> None:
     # One thread per worker: N workers fill N cores, and a tokenizer.json's own thread pool
     # would only compete with the other workers for them.
@@ -69,12 +89,14 @@ def _start_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which stops the pool
     threading.Thread(target=_exit_with, args=(parent_pid,), daemon=True).start()
     global _worker
-    _worker = (build_tokenizer(tokenizer_path, eos_token), np.dtype(dtype))
+    _worker = (build_tokenizer(tokenizer_path, eos_token), np.dtype(dtype), examples)
 
 
-def _encode_in_worker(docs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+def _encode_in_worker(
+    keys: list[str], docs: list[bytes]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     assert _worker is not None, "the pool's initializer did not run"
-    return encode(*_worker, docs)
+    return encode_chunk(*_worker, keys, docs)
 
 
 def encode_in_order(
@@ -84,15 +106,18 @@ def encode_in_order(
     workers: int,
     tokenizer_path: str | None,
     eos_token: str | None,
+    examples: ExampleFormat | None = None,
 ) -> Iterator[Encoded]:
     """Each chunk tokenized, in input order; ``workers`` processes, or this one for 1.
+    `examples`: the chunks hold examples of this format (data.sft), not text.
 
     Workers build their own tokenizer from ``tokenizer_path`` and ``eos_token`` (``tok`` is used
     only in this process).
     """
     if workers == 1:
         for chunk in chunks:
-            yield Encoded(chunk.keys, *encode(tok, dtype, chunk.docs), chunk.position)
+            tokens, ends, mask = encode_chunk(tok, dtype, examples, chunk.keys, chunk.docs)
+            yield Encoded(chunk.keys, tokens, ends, chunk.position, mask)
         return
     # "spawn": fresh interpreters, so no thread of this process (pyarrow's pool, tqdm's monitor)
     # is forked half-way through a lock; it works the same on Linux and macOS.
@@ -100,18 +125,20 @@ def encode_in_order(
         workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_start_worker,
-        initargs=(os.getpid(), tokenizer_path, eos_token, dtype.str),
+        initargs=(os.getpid(), tokenizer_path, eos_token, dtype.str, examples),
     )
     pending: deque[tuple[list[str], int, Future]] = deque()
 
     def oldest() -> Encoded:
         keys, position, future = pending.popleft()
-        return Encoded(keys, *future.result(), position)
+        tokens, ends, mask = future.result()
+        return Encoded(keys, tokens, ends, position, mask)
 
     try:
         for chunk in chunks:
-            # Only keys stay here; the documents' bytes go to the worker.
-            pending.append((chunk.keys, chunk.position, pool.submit(_encode_in_worker, chunk.docs)))
+            # The documents' bytes go to the worker; keys too, to name an example that fails.
+            future = pool.submit(_encode_in_worker, chunk.keys, chunk.docs)
+            pending.append((chunk.keys, chunk.position, future))
             # Two chunks per worker: one being tokenized, one queued while results are written.
             if len(pending) >= 2 * workers:
                 yield oldest()

@@ -8,6 +8,9 @@ The format follows the file name, so a directory may mix them:
 - anything else (``.txt``, ``.py``, ``.md``, ...): the whole file is one document; key ``relpath``.
 - a ``.gz`` or ``.zst`` suffix on top (``x.jsonl.gz``, ``x.txt.zst``) is decompressed on the fly.
 
+With ``--format prompt_response`` or ``chat`` every JSONL line is an example (data/sft.py),
+checked here and passed on as the line itself.
+
 Keys name a document independently of where the corpus lives and of how many workers encode it,
 so the hash-based train/val split is stable. Nothing is loaded whole except a single document:
 JSONL is read in pieces, parquet one record batch at a time.
@@ -27,6 +30,8 @@ from types import ModuleType
 from typing import Any, Literal, Protocol
 
 from configs import ConfigError
+from data.sft import Kind as ExampleKind
+from data.sft import check_example
 
 Codec = Literal["gzip", "zstd"]
 Kind = Literal["jsonl", "parquet", "text"]
@@ -120,10 +125,18 @@ def _import(module: str, path: Path) -> ModuleType:
         raise ConfigError(f"data prepare: reading '{path}' needs {package}: {EXTRA}") from e
 
 
-def check_inputs(files: list[tuple[Path, str]], field: str) -> None:
-    """Fail before any work on what can be checked up front: missing readers, parquet columns."""
+def check_inputs(
+    files: list[tuple[Path, str]], field: str, examples: ExampleKind | None = None
+) -> None:
+    """Fail before any work on what can be checked up front: missing readers, parquet columns,
+    examples (`examples`: a data.sft kind) in a file that is not JSONL."""
     for path, _ in files:
         codec, kind = file_format(path)
+        if examples is not None and kind != "jsonl":
+            raise ConfigError(
+                f"data prepare: '{path}': --format {examples} reads JSONL files (one example per "
+                "line: .jsonl, .jsonl.gz, .jsonl.zst); choose the files with --input or --pattern"
+            )
         if codec == "zstd":
             _import("zstandard", path)
         if kind == "parquet":
@@ -194,7 +207,7 @@ def _lines(path: Path, codec: Codec | None) -> Iterator[tuple[int, bytes, int]]:
 
 
 def _jsonl_documents(
-    path: Path, key: str, codec: Codec | None, field: str
+    path: Path, key: str, codec: Codec | None, field: str, examples: ExampleKind | None
 ) -> Iterator[tuple[str, bytes, int]]:
     for lineno, line, offset in _lines(path, codec):
         if not line.strip():
@@ -207,6 +220,10 @@ def _jsonl_documents(
             raise ConfigError(
                 f"data prepare: {path}:{lineno}: invalid JSON ({e}){hint if codec else ''}"
             ) from e
+        if examples is not None:  # checked here, to name the line; rendered by the workers
+            check_example(record, examples, f"{path}:{lineno}")
+            yield f"{key}:{lineno}", line, offset
+            continue
         text = record.get(field) if isinstance(record, dict) else None
         if not isinstance(text, str):
             raise ConfigError(
@@ -259,8 +276,12 @@ def _parquet_documents(path: Path, key: str, field: str) -> Iterator[tuple[str, 
         raise ConfigError(f"data prepare: '{path}': row {row} and after do not read ({e})") from e
 
 
-def iter_documents(files: list[tuple[Path, str]], field: str) -> Iterator[tuple[str, bytes, int]]:
-    """``(doc_key, utf-8 bytes, input bytes read so far)`` for every document, in order.
+def iter_documents(
+    files: list[tuple[Path, str]], field: str, examples: ExampleKind | None = None
+) -> Iterator[tuple[str, bytes, int]]:
+    """``(doc_key, utf-8 bytes, input bytes read so far)`` for every document, in order. With
+    `examples` (a data.sft kind), every line of the JSONL files is an example of that kind,
+    checked, and the document is the line itself.
 
     The byte count (over all files, compressed sizes for compressed files) drives the progress bar.
     """
@@ -269,7 +290,7 @@ def iter_documents(files: list[tuple[Path, str]], field: str) -> Iterator[tuple[
         codec, kind = file_format(path)
         size = path.stat().st_size
         if kind == "jsonl":
-            docs = _jsonl_documents(path, key, codec, field)
+            docs = _jsonl_documents(path, key, codec, field, examples)
         elif kind == "parquet":
             docs = _parquet_documents(path, key, field)
         elif codec:  # raw bytes, not decoded text: files that are not valid UTF-8 stay exact

@@ -1,49 +1,70 @@
 """Read prepared token shards as fixed-length sequences, in one global order shared by all ranks.
 
-The training data is a single *global stream* of sample positions k = 0, 1, 2, ...; position k is
-sample ``perm_e[k % N]`` of epoch ``e = k // N``. Micro-step j covers positions
+The training data is a single *global stream* of positions k = 0, 1, 2, ...; what position k
+holds (which source, which sample) is a pure function of the seed and k (data/stream.py: the
+mixture of data.sources, then each source's shuffle per epoch). Micro-step j covers positions
 ``[j*D*B, (j+1)*D*B)`` (D = data-parallel size, B = micro-batch size) and data-parallel rank r
 reads the contiguous slice ``[j*D*B + r*B, j*D*B + (r+1)*B)``. Hence:
 
 - an optimizer step with A accumulation micro-steps covers the same A*D*B positions for every
   (D, B, A) with the same global batch, so the mesh and micro-batching do not change training;
-- the loader's state is one number, the global positions consumed, identical on every rank,
-  so a checkpoint resumes on a different mesh as long as D*B divides it.
+- the loader's state is the global positions consumed (plus the mixture's segments, the same
+  small list everywhere), identical on every rank, so a checkpoint resumes on a different mesh
+  as long as D*B divides it.
 
 Nothing here talks to the process group: the trainer passes ``dp_rank`` and ``dp_size``.
+How the stream, the shuffle and the mixture work, and why they do not depend on the mesh:
+docs/data.md.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
-import logging
+import math
+import os
+import re
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from configs import ConfigError
-
-logger = logging.getLogger(__name__)
+from data.stream import GlobalStream, GlobalStreamBatchSampler, quantize
 
 # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13: a warning per loader that tells
 # the user nothing actionable.
 warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
 
 Split = Literal["train", "val"]
+# cross_entropy's ignore_index: a position that is no target.
+NO_TARGET = -100
+
+
+@dataclass
+class SourceConfig:
+    path: str
+    """Directory made by `python -m data.prepare`."""
+    weight: float = 1.0
+    """Share of the training stream, relative to the other sources' weights (> 0)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ConfigError(f"weight must be a number > 0, got {self.weight}")
 
 
 @dataclass
 class DataConfig:
-    path: str = "outputs/data/stdlib"
-    """Directory made by `python -m data.prepare`."""
+    path: str | None = None
+    """Directory made by `python -m data.prepare`: the one training dataset (or data.sources)."""
+    sources: dict[str, SourceConfig] = field(default_factory=dict)
+    """A mixture instead of data.path: tables [data.sources.NAME] with path and weight."""
     seq_len: int = 256
     """Tokens per training sequence."""
     num_workers: int = 0
@@ -62,6 +83,17 @@ class DataConfig:
             raise ConfigError(f"data.seq_len must be >= 1, got {self.seq_len}")
         if self.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        if self.path is not None and self.sources:
+            raise ConfigError(
+                f"data.path ({self.path!r}) and data.sources ({', '.join(self.sources)}) are "
+                "both set: a run reads one dataset (data.path) or a mixture (data.sources)"
+            )
+        for name in self.sources:
+            if not re.fullmatch(r"[A-Za-z0-9_]+", name):
+                raise ConfigError(
+                    f"data.sources: the name {name!r} may hold letters, digits and underscores "
+                    "only (it names command-line keys and TensorBoard tags)"
+                )
         if self.document_positions and self.attention_mask != "document":
             raise ConfigError(
                 "data.document_positions=true needs data.attention_mask='document' (positions "
@@ -76,6 +108,8 @@ class Shard:
 
     file: Path
     num_tokens: int
+    mask: Path | None = None
+    """Fine-tuning examples (data/sft.py): one byte per token, 1 where it is a target."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +125,9 @@ class DatasetIndex:
     splits: dict[str, list[Shard]]
     bos_id: int | None = None
     """None for a tokenizer without BOS, and in index files written before it was recorded."""
+    examples: dict[str, Any] | None = None
+    """Fine-tuning examples with a loss mask per shard: their format (data/sft.py); None for
+    documents, whose every token is a target."""
 
     def num_tokens(self, split: Split) -> int:
         return sum(shard.num_tokens for shard in self.splits.get(split, []))
@@ -103,33 +140,43 @@ class DatasetIndex:
 _INDEX_KEYS = ("version", "dtype", "vocab_size", "eos_id", "tokenizer", "splits")
 
 
-def read_index(path: str | Path) -> DatasetIndex:
+def read_index(path: str | Path, key: str = "data.path") -> DatasetIndex:
     """Parse ``path/index.json`` without opening any shard; ConfigError naming the file and
-    what is wrong with it."""
+    what is wrong with it (after `key`, the setting that names `path`)."""
     root = Path(path)
     index_file = root / "index.json"
     if not index_file.is_file():
         raise ConfigError(
-            f"data.path: no prepared dataset at '{path}' (index.json not found); "
+            f"{key}: no prepared dataset at '{path}' (index.json not found); "
             f"create it with: python -m data.prepare --out {path}"
         )
     remedy = f"re-create it with: python -m data.prepare --out {path}"
     try:
         raw = json.loads(index_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"data.path: '{index_file}' is not valid JSON ({e}); {remedy}") from e
+        raise ConfigError(f"{key}: '{index_file}' is not valid JSON ({e}); {remedy}") from e
     if not isinstance(raw, dict):
-        raise ConfigError(f"data.path: '{index_file}' is not a JSON object; {remedy}")
-    if missing := [key for key in _INDEX_KEYS if key not in raw]:
-        raise ConfigError(f"data.path: '{index_file}' has no {', '.join(missing)}; {remedy}")
-    if raw["version"] != 1 or raw["dtype"] not in ("uint16", "uint32"):
+        raise ConfigError(f"{key}: '{index_file}' is not a JSON object; {remedy}")
+    if missing := [name for name in _INDEX_KEYS if name not in raw]:
+        raise ConfigError(f"{key}: '{index_file}' has no {', '.join(missing)}; {remedy}")
+    # Version 2: fine-tuning examples, whose shards carry loss masks (data/prepare.py).
+    if raw["version"] not in (1, 2) or raw["dtype"] not in ("uint16", "uint32"):
         raise ConfigError(
-            f"data.path: '{index_file}' has version {raw['version']!r} and dtype "
-            f"{raw['dtype']!r}; this trainer reads version 1 with uint16 or uint32; {remedy}"
+            f"{key}: '{index_file}' has version {raw['version']!r} and dtype "
+            f"{raw['dtype']!r}; this trainer reads versions 1 and 2 with uint16 or uint32; "
+            f"{remedy}"
         )
+    masked = raw["version"] == 2
     try:
         splits = {
-            split: [Shard(root / entry["file"], int(entry["num_tokens"])) for entry in shards]
+            split: [
+                Shard(
+                    root / entry["file"],
+                    int(entry["num_tokens"]),
+                    root / entry["mask"] if masked else None,
+                )
+                for entry in shards
+            ]
             for split, shards in raw["splits"].items()
         }
         bos_id = raw.get("bos_id")  # absent from files written before it was recorded
@@ -141,26 +188,91 @@ def read_index(path: str | Path) -> DatasetIndex:
             tokenizer=dict(raw["tokenizer"]),
             splits=splits,
             bos_id=None if bos_id is None else int(bos_id),
+            examples=dict(raw["examples"]) if masked else None,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         problem = f"a shard entry has no key {e}" if isinstance(e, KeyError) else str(e)
-        raise ConfigError(f"data.path: '{index_file}' is malformed ({problem}); {remedy}") from e
+        raise ConfigError(f"{key}: '{index_file}' is malformed ({problem}); {remedy}") from e
 
 
-def open_dataset(path: str | Path) -> DatasetIndex:
+def open_dataset(path: str | Path, key: str = "data.path") -> DatasetIndex:
     """Read ``path/index.json`` and check the shards exist. Cheap, no collectives, no data read."""
-    index = read_index(path)
+    index = read_index(path, key)
     itemsize = np.dtype(index.dtype).itemsize
     for shard in (shard for shards in index.splits.values() for shard in shards):
-        if not shard.file.is_file():
-            raise ConfigError(f"data.path: shard '{shard.file}' listed in index.json is missing")
-        # A size check catches a truncated copy now instead of as garbage tokens mid-run.
-        if shard.file.stat().st_size != shard.num_tokens * itemsize:
-            raise ConfigError(
-                f"data.path: shard '{shard.file}' has {shard.file.stat().st_size} bytes, "
-                f"index.json expects {shard.num_tokens} {index.dtype} tokens"
-            )
+        # A mask has a byte per token: a size check finds a truncated or missing one, too.
+        for file, size in ((shard.file, itemsize), (shard.mask, 1)):
+            if file is None:
+                continue
+            if not file.is_file():
+                raise ConfigError(f"{key}: shard '{file}' listed in index.json is missing")
+            # A size check catches a truncated copy now instead of as garbage tokens mid-run.
+            if file.stat().st_size != shard.num_tokens * size:
+                what = f"{index.dtype} tokens" if file == shard.file else "mask bytes"
+                raise ConfigError(
+                    f"{key}: shard '{file}' has {file.stat().st_size} bytes, index.json "
+                    f"expects {shard.num_tokens} {what}"
+                )
     return index
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One prepared dataset of the training stream, opened and checked."""
+
+    name: str
+    index: DatasetIndex
+    weight: float
+    key: str
+    """The setting that names it, for messages: data.path or data.sources.NAME."""
+
+
+def _identity(index: DatasetIndex) -> dict[str, Any]:
+    """What must match between the sources of a mixture: the tokenizer and the token type.
+    Not where the tokenizer file was: the same tokenizer.json may have been copied."""
+    tokenizer = {k: v for k, v in index.tokenizer.items() if k != "path"}
+    ids = {"vocab_size": index.vocab_size, "eos_id": index.eos_id, "bos_id": index.bos_id}
+    return tokenizer | ids | {"dtype": index.dtype}
+
+
+def open_sources(cfg: DataConfig) -> list[DataSource]:
+    """The training sources, sorted by name: data.path (named after its folder), or the
+    data.sources mixture. ConfigError, naming the source, for one that is not a dataset, and
+    for sources that cannot be mixed (another tokenizer or dtype, the same dataset twice)."""
+    if cfg.path is None and not cfg.sources:
+        raise ConfigError(
+            "data: no training data: set data.path=DIR (made by python -m data.prepare), or "
+            "[data.sources.NAME] tables with path and weight for a mixture"
+        )
+    if cfg.path is not None:
+        name = Path(os.path.abspath(cfg.path)).name or "data"
+        wanted = {name: ("data.path", SourceConfig(cfg.path))}
+    else:
+        wanted = {name: (f"data.sources.{name}", s) for name, s in cfg.sources.items()}
+    sources = [
+        DataSource(name, open_dataset(source.path, key), source.weight, key)
+        for name, (key, source) in sorted(wanted.items())
+    ]
+    first, seen = sources[0], {}
+    for source in sources:
+        mine, theirs = _identity(first.index), _identity(source.index)
+        if "sha256" not in mine or "sha256" not in theirs:
+            # index.json written before the hash was recorded: compare what both have.
+            mine.pop("sha256", None), theirs.pop("sha256", None)
+        if theirs != mine:
+            raise ConfigError(
+                f"data.sources: {first.name} and {source.name} were prepared with different "
+                f"tokenizers or token types ({mine} vs {theirs}); a mixture needs one: prepare "
+                "every source with the same --tokenizer"
+            )
+        if (where := source.index.path.resolve()) in seen:
+            raise ConfigError(
+                f"data.sources: {seen[where]} and {source.name} are the same dataset ({where}); "
+                "list it once, with the sum of their weights"
+            )
+        seen[where] = source.name
+    quantize([source.weight for source in sources])  # a weight too small to ever be read
+    return sources
 
 
 def check_eval_split(
@@ -199,12 +311,15 @@ class TokenSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     Windows of ``seq_len + 1`` tokens start every ``seq_len`` tokens and never cross a shard, so a
     shard of n tokens holds ``(n - 1) // seq_len`` samples. Each target token is predicted once.
+    In a dataset of fine-tuning examples, targets that are not (the loss mask's 0s, and the
+    example that the window cuts at its start, whose prompt lies before it) are NO_TARGET.
     """
 
     def __init__(self, index: DatasetIndex, split: Split, seq_len: int) -> None:
         self.shards = index.splits.get(split, [])
         self.dtype = np.dtype(index.dtype)
         self.seq_len = seq_len
+        self.masked, self.eos_id = index.examples is not None, index.eos_id
         counts = [max(shard.num_tokens - 1, 0) // seq_len for shard in self.shards]
         # starts[i] is the first sample of shard i; bisect over it finds a sample's shard.
         self.starts = np.cumsum([0, *counts]).tolist()
@@ -215,6 +330,7 @@ class TokenSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             )
         # Opened on first access, in whichever process reads: worker processes get their own maps.
         self._maps: list[np.memmap] | None = None
+        self._masks: list[np.memmap] | None = None
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -224,116 +340,47 @@ class TokenSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             raise IndexError(f"sample {i} out of range [0, {len(self)})")
         if self._maps is None:
             self._maps = [np.memmap(s.file, dtype=self.dtype, mode="r") for s in self.shards]
+            if self.masked:
+                self._masks = [np.memmap(s.mask, dtype=np.uint8, mode="r") for s in self.shards]
         shard = bisect.bisect_right(self.starts, i) - 1
         begin = (i - self.starts[shard]) * self.seq_len
-        window = torch.from_numpy(
-            self._maps[shard][begin : begin + self.seq_len + 1].astype(np.int64)
-        )
-        return window[:-1], window[1:]
+        window = self._maps[shard][begin : begin + self.seq_len + 1].astype(np.int64)
+        if not self.masked:
+            return torch.from_numpy(window[:-1]), torch.from_numpy(window[1:])
+        targets = np.where(self._is_target(shard, begin, window), window[1:], NO_TARGET)
+        return torch.from_numpy(window[:-1]), torch.from_numpy(targets)
+
+    def _is_target(self, shard: int, begin: int, window: np.ndarray) -> np.ndarray:
+        """Which positions of the window at token `begin` of `shard` have a target: where the
+        loss mask has a 1, except in an example begun before the window. Its targets, the
+        tokens up to its EOS, would be learned without their prompt: they are learned in the
+        window that holds its beginning (data.seq_len longer than the examples keeps this loss
+        small)."""
+        assert self._masks is not None and self._maps is not None
+        keep = self._masks[shard][begin + 1 : begin + self.seq_len + 1].astype(bool)
+        if begin:
+            before = self._maps[shard][begin - 1]
+        else:  # an example may run on from the previous shard
+            before = self._maps[shard - 1][-1] if shard else self.eos_id
+        if before != self.eos_id:
+            eos = np.flatnonzero(window[:-1] == self.eos_id)
+            keep[: eos[0] if len(eos) else len(keep)] = False
+        return keep
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickling a memmap copies all its data; workers started by spawn reopen the files instead.
-        return {**self.__dict__, "_maps": None}
+        return {**self.__dict__, "_maps": None, "_masks": None}
 
 
-class GlobalStreamBatchSampler(Sampler[list[int]]):
-    """Infinite batch sampler: this rank's slice of each micro-step of the global stream.
+class SourceSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Item ``(s, i)``: sample i of source s, as its TokenSequences gives it."""
 
-    State (``state_dict``) is the global number of stream positions consumed, the same on every
-    rank for any D and B. It advances when a batch is *drawn*, which with worker prefetching is
-    ahead of what training has used; ``StatefulDataLoader`` snapshots it at the batch it returns,
-    so save and restore the loader, not this sampler.
-    """
+    def __init__(self, sources: Sequence[TokenSequences]) -> None:
+        self.sources = list(sources)
 
-    def __init__(
-        self,
-        num_samples: int,
-        *,
-        dp_rank: int,
-        dp_size: int,
-        micro_batch_size: int,
-        seed: int,
-        shuffle: bool,
-        restart_each_iter: bool = False,
-    ) -> None:
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ConfigError(f"data: need 0 <= dp_rank < dp_size, got {dp_rank=} {dp_size=}")
-        if micro_batch_size < 1:
-            raise ConfigError(f"data: micro_batch_size must be >= 1, got {micro_batch_size}")
-        self.num_samples = num_samples
-        self.dp_rank, self.dp_size, self.micro_batch_size = dp_rank, dp_size, micro_batch_size
-        self.seed, self.shuffle = seed, shuffle
-        self.restart_each_iter = restart_each_iter
-        self.consumed = 0
-        self._loaded = False
-        self._perm_epoch = -1
-        self._perm: list[int] = []
-
-    @property
-    def positions_per_micro_step(self) -> int:
-        return self.dp_size * self.micro_batch_size
-
-    def sample_at(self, position: int) -> int:
-        """The dataset index at global stream ``position``."""
-        epoch, offset = divmod(position, self.num_samples)
-        if not self.shuffle:
-            return offset
-        if epoch != self._perm_epoch:  # one permutation per epoch, cached while it is in use
-            gen = torch.Generator().manual_seed(self.seed + epoch)
-            self._perm = torch.randperm(self.num_samples, generator=gen).tolist()
-            self._perm_epoch = epoch
-        return self._perm[offset]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        # Train continues the stream on a new iterator; val restarts at 0 for every evaluation.
-        # Either way a state loaded just before wins: that is how StatefulDataLoader resumes.
-        if self.restart_each_iter and not self._loaded:
-            self.consumed = 0
-        self._loaded = False
-        return self._batches()
-
-    def _batches(self) -> Iterator[list[int]]:
-        while True:
-            first = self.consumed + self.dp_rank * self.micro_batch_size
-            batch = [self.sample_at(k) for k in range(first, first + self.micro_batch_size)]
-            # Advance before yielding: StatefulDataLoader reads the state right after drawing.
-            self.consumed += self.positions_per_micro_step
-            yield batch
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "consumed": self.consumed,
-            "num_samples": self.num_samples,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        consumed = int(state["consumed"])
-        per_step = self.positions_per_micro_step
-        if consumed < 0 or consumed % per_step:
-            raise ConfigError(
-                f"data: cannot resume at global stream position {consumed}: it is not a multiple "
-                f"of dp_size * micro_batch_size = {self.dp_size} * {self.micro_batch_size} = "
-                f"{per_step}. Every micro-step reads {per_step} consecutive positions, so the "
-                "data-parallel size times the micro-batch size must divide the positions already "
-                "consumed (keep the checkpoint's global batch, or one that divides it)"
-            )
-        mine = self.state_dict()
-        changed = [
-            k for k in ("num_samples", "seed", "shuffle") if k in state and state[k] != mine[k]
-        ]
-        if changed:
-            logger.warning(
-                "data: resuming at position %d, but %s changed since the checkpoint (%s -> %s); "
-                "the stream continues in a different order",
-                consumed,
-                ", ".join(changed),
-                {k: state[k] for k in changed},
-                {k: mine[k] for k in changed},
-            )
-        self.consumed = consumed
-        self._loaded = True
+    def __getitem__(self, item: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        source, i = item
+        return self.sources[source][i]
 
 
 def build_dataloader(
@@ -344,33 +391,41 @@ def build_dataloader(
     dp_size: int,
     micro_batch_size: int,
     seed: int,
-    index: DatasetIndex | None = None,
+    sources: Sequence[DataSource] | None = None,
 ) -> StatefulDataLoader:
     """An infinite loader of ``(inputs, targets)`` micro-batches, each ``[micro_batch_size,
-    seq_len]`` int64, for this data-parallel rank.
+    seq_len]`` int64, for this data-parallel rank. `sources`: as open_sources(cfg) gives them
+    (the default); the val split reads one source, each is evaluated on its own.
 
     ``loader.state_dict()`` / ``load_state_dict()`` save and restore the exact position, with or
     without workers (resuming needs the same ``num_workers``: torchdata asserts it). The state is
     the same on every rank and loads on any mesh whose ``dp_size * micro_batch_size`` divides it.
+    ``loader.batch_sampler.stream`` is the stream (data/stream.py), for per-source accounting.
 
     Train: iterate once (``batches = iter(loader)``). With workers the sampler runs ahead of the
     batches returned, so a second ``iter(loader)`` would skip the prefetched ones; to continue
     exactly, ``loader.load_state_dict(loader.state_dict())`` first. Val: never shuffled, and
     every ``iter(loader)`` restarts at the first batch, so each evaluation sees the same data.
     """
-    index = index if index is not None else open_dataset(cfg.path)
-    dataset = TokenSequences(index, split, cfg.seq_len)
+    sources = list(sources) if sources is not None else open_sources(cfg)
+    if split == "val" and len(sources) != 1:
+        raise ValueError(f"the val split reads one source, got {[s.name for s in sources]}")
+    sequences = {s.name: TokenSequences(s.index, split, cfg.seq_len) for s in sources}
+    stream = GlobalStream(
+        {name: len(seqs) for name, seqs in sequences.items()},
+        {s.name: s.weight for s in sources},
+        seed,
+        shuffle=cfg.shuffle and split == "train",
+    )
     sampler = GlobalStreamBatchSampler(
-        len(dataset),
+        stream,
         dp_rank=dp_rank,
         dp_size=dp_size,
         micro_batch_size=micro_batch_size,
-        seed=seed,
-        shuffle=cfg.shuffle and split == "train",
         restart_each_iter=split == "val",
     )
     return StatefulDataLoader(
-        dataset,
+        SourceSequences([sequences[name] for name in stream.names]),
         batch_sampler=sampler,
         num_workers=cfg.num_workers,
         pin_memory=torch.cuda.is_available(),

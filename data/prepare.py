@@ -8,6 +8,8 @@ gzip- or zstd-compressed JSONL and parquet (``data.inputs``). Output layout (rea
     DIR/index.json          dtype, tokenizer, vocab_size, eos_id, bos_id, shards per split
     DIR/train-00000.bin     flat uint16 (or uint32) token ids, documents separated by EOS
     DIR/val-00000.bin
+    DIR/train-00000.mask.bin  with --format prompt_response or chat (data/sft.py): one byte per
+                              token, 1 where it is a target (a response's), 0 for context
 
 This process reads the corpus in order and writes the shards; ``--workers`` processes tokenize
 (``data.encode``). The bytes written do not depend on the number of workers.
@@ -28,7 +30,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
-from typing import TextIO
+from typing import Literal, TextIO
 
 import numpy as np
 from tqdm import tqdm
@@ -36,6 +38,9 @@ from tqdm import tqdm
 from configs import ConfigError
 from data.encode import Chunk, Encoded, encode_in_order
 from data.inputs import DEFAULT_PATTERN, check_inputs, find_files, iter_documents
+from data.sft import KINDS, load_format
+from data.sft import PATTERN as EXAMPLE_PATTERN
+from data.sft import Kind as ExampleKind
 from data.tokenizer import build_tokenizer
 from data.writer import ShardWriter, Split, check_out, remove_leftovers, replace_dir
 
@@ -46,6 +51,8 @@ DEFAULT_OUT = "outputs/data/stdlib"
 # Third-party packages are not the standard library and differ from machine to machine.
 STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 INDEX_VERSION = 1
+# Datasets with loss masks: a reader of version 1 would ignore the masks and train on prompts.
+MASKED_INDEX_VERSION = 2
 # One chunk is one task for a worker: big enough that sending it costs little next to
 # tokenizing it, small enough that 2 chunks per worker in flight keep memory low.
 CHUNK_DOCS = 1024
@@ -126,6 +133,10 @@ class Progress:
         self.bar.close()
 
 
+Keyed = tuple[str, np.ndarray, np.ndarray | None]
+"""A document's key, tokens (with EOS) and loss mask (None for text)."""
+
+
 def _write_splits(
     encoded: Iterator[Encoded],
     total_bytes: int,
@@ -134,22 +145,25 @@ def _write_splits(
 ) -> int:
     """Write each tokenized document to train or val; returns the number of documents."""
 
-    def write(keyed: list[tuple[str, np.ndarray]], to_val: bool = False) -> None:
+    def write(keyed: list[Keyed], to_val: bool = False) -> None:
         for split, writer in writers.items():
             want_val = split == "val"
-            writer.write_documents(
-                [t for k, t in keyed if (to_val or is_val(k, val_fraction)) == want_val]
-            )
+            mine = [(t, m) for k, t, m in keyed if (to_val or is_val(k, val_fraction)) == want_val]
+            masks = [m for _, m in mine] if writer.masked else None
+            writer.write_documents([t for t, _ in mine], masks)
 
     # The corpus's last document is held back: if no document hashed into val, it becomes
     # the val split, so a small corpus still gets validation instead of silently having none.
-    last: tuple[str, np.ndarray] | None = None
+    last: Keyed | None = None
     count = 0
     progress = Progress(total_bytes)
     try:
         for chunk in encoded:
             docs = np.split(chunk.tokens, chunk.ends[:-1])  # views, one per document, with EOS
-            keyed = ([last] if last else []) + list(zip(chunk.keys, docs, strict=True))
+            masks = [None] * len(docs)
+            if chunk.mask is not None:  # examples: each one's loss mask, cut as its tokens
+                masks = np.split(chunk.mask, chunk.ends[:-1])
+            keyed = ([last] if last else []) + list(zip(chunk.keys, docs, masks, strict=True))
             last = keyed.pop()
             write(keyed)
             count += len(chunk.keys)
@@ -165,6 +179,27 @@ def _write_splits(
     return count
 
 
+def _input_files(
+    inputs: list[str] | None, pattern: str | None, field: str, examples: ExampleKind | None
+) -> tuple[list[str], str, list[tuple[Path, str]]]:
+    """The inputs and pattern in effect, and the files they name, checked (data.inputs)."""
+    if examples is not None and not inputs:
+        raise ConfigError(f"data prepare: --format {examples} needs --input (JSONL examples)")
+    if examples is not None and field != "text":
+        raise ConfigError(
+            f"data prepare: --field names the text of --format text; --format {examples} reads "
+            f"the fields {'prompt and response' if examples == 'prompt_response' else 'messages'}"
+        )
+    if inputs:
+        pattern = pattern or (DEFAULT_PATTERN if examples is None else EXAMPLE_PATTERN)
+        files = find_files(inputs, pattern)
+    else:
+        inputs, pattern = [str(stdlib_dir())], "*.py"
+        files = find_files(inputs, pattern, STDLIB_EXCLUDED_DIRS)
+    check_inputs(files, field, examples)
+    return inputs, pattern, files
+
+
 def prepare(
     inputs: list[str] | None,
     out_dir: str | Path,
@@ -172,13 +207,17 @@ def prepare(
     val_fraction: float = 0.005,
     shard_tokens: int = 2**28,
     field: str = "text",
-    pattern: str = DEFAULT_PATTERN,
+    pattern: str | None = None,
     eos_token: str | None = None,
     workers: int | None = None,
+    format: Literal["text", "prompt_response", "chat"] = "text",
 ) -> Path:
     """Tokenize ``inputs`` (None: the stdlib's ``*.py``) into shards under ``out_dir``.
 
     ``field`` is the text field of JSONL records and the text column of parquet files.
+    ``pattern``: the files taken from directories (default: every format ``format`` reads).
+    ``format``: ``text`` (documents), or JSONL examples for fine-tuning, written with a loss
+    mask: ``prompt_response`` or ``chat`` (data/sft.py).
     ``workers`` defaults to 1 for the byte tokenizer (its tokens are the bytes: nothing to share
     out) and to the usable CPUs for a tokenizer.json. Workers are spawned, fresh interpreters
     that import the caller's main module: a script calling this needs ``if __name__ == "__main__"``.
@@ -192,15 +231,12 @@ def prepare(
         workers = 1 if tokenizer_path is None else usable_cpus()
     if workers < 1:
         raise ConfigError(f"data prepare: --workers must be >= 1, got {workers}")
-    if inputs:
-        files = find_files(inputs, pattern)
-    else:
-        inputs, pattern = [str(stdlib_dir())], "*.py"
-        files = find_files(inputs, pattern, STDLIB_EXCLUDED_DIRS)
-    check_inputs(files, field)
+    examples = None if format == "text" else format
+    inputs, pattern, files = _input_files(inputs, pattern, field, examples)
     out = Path(out_dir)
     check_out(out)
     tok = build_tokenizer(tokenizer_path, eos_token)
+    example_format = None if examples is None else load_format(examples, tokenizer_path)
 
     # uint16 halves disk and page-cache use for any vocabulary up to 65536 ids.
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
@@ -211,12 +247,14 @@ def prepare(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
-        chunks = _chunks(iter_documents(files, field))
+        masked = example_format is not None
+        writers = {s: ShardWriter(tmp, s, dtype, shard_tokens, masked) for s in SPLITS}
+        chunks = _chunks(iter_documents(files, field, examples))
         # Workers rebuild the tokenizer from its resolved path: this process's cwd is not theirs.
         resolved = tok.describe()["path"]
         total_bytes = sum(path.stat().st_size for path, _ in files)
-        with closing(encode_in_order(chunks, tok, dtype, workers, resolved, eos_token)) as encoded:
+        encoded = encode_in_order(chunks, tok, dtype, workers, resolved, eos_token, example_format)
+        with closing(encoded):
             if _write_splits(encoded, total_bytes, val_fraction, writers) == 0:
                 raise ConfigError(f"data prepare: no text found in {', '.join(inputs)}")
         for w in writers.values():
@@ -229,7 +267,7 @@ def prepare(
             )
 
         index = {
-            "version": INDEX_VERSION,
+            "version": INDEX_VERSION if example_format is None else MASKED_INDEX_VERSION,
             "dtype": dtype.name,
             "tokenizer": tok.describe(),
             "vocab_size": tok.vocab_size,
@@ -239,6 +277,9 @@ def prepare(
             "splits": {s: w.shards for s, w in writers.items()},
             "sources": {"num_documents": num_docs, "inputs": inputs, "pattern": pattern},
         }
+        if example_format is not None:  # what the masks mean, and how many targets they hold
+            targets = {s: w.num_targets for s, w in writers.items()}
+            index["examples"] = example_format.describe() | {"num_targets": targets}
         # index.json last: a dataset directory without it is never treated as complete.
         (tmp / "index.json").write_text(json.dumps(index, indent=2) + "\n")
         replace_dir(tmp, out)
@@ -246,11 +287,14 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-    tokens = {s: f"{sum(sh['num_tokens'] for sh in w.shards):,}" for s, w in writers.items()}
+    tokens = {s: f"{sum(sh['num_tokens'] for sh in w.shards):,} tokens" for s, w in writers.items()}
+    if masked:  # "train 7329 examples 70,371 tokens (26,397 targets)"
+        tokens = {s: f"{n} ({writers[s].num_targets:,} targets)" for s, n in tokens.items()}
     logger.info(
-        "prepared %s in %.1fs: train %d docs %s tokens, val %d docs %s tokens (%s, vocab %d, %s)",
-        out, time.perf_counter() - start, num_docs["train"], tokens["train"], num_docs["val"],
-        tokens["val"], tok.describe()["kind"], tok.vocab_size, dtype.name,
+        "prepared %s in %.1fs: train %d %s %s, val %d %s %s (%s, vocab %d, %s)",
+        out, time.perf_counter() - start, num_docs["train"], "examples" if masked else "docs",
+        tokens["train"], num_docs["val"], "examples" if masked else "docs", tokens["val"],
+        tok.describe()["kind"], tok.vocab_size, dtype.name,
     )  # fmt: skip
     return out
 
@@ -266,7 +310,19 @@ def _parser() -> argparse.ArgumentParser:
         ".jsonl[.gz|.zst] (one per line), .parquet (one per row). "
         "Default: this Python's standard-library *.py sources",
     )
-    p.add_argument("--pattern", default=DEFAULT_PATTERN, help="file names to take from directories")
+    p.add_argument(
+        "--pattern",
+        help=f"file names to take from directories (default: {DEFAULT_PATTERN}; with "
+        f"--format prompt_response or chat: {EXAMPLE_PATTERN})",
+    )
+    p.add_argument(
+        "--format",
+        choices=("text", *KINDS),
+        default="text",
+        help="text: documents; prompt_response: JSONL {prompt, response} examples; chat: JSONL "
+        "{messages} rendered with the tokenizer's chat template (or a plain one). Examples are "
+        "written with a loss mask: only response tokens are targets (docs/data.md)",
+    )
     p.add_argument(
         "--field",
         "--jsonl-field",
@@ -308,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
             pattern=args.pattern,
             eos_token=args.eos_token,
             workers=args.workers,
+            format=args.format,
         )
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None

@@ -6,10 +6,11 @@ Face tokenizer is read from a local ``tokenizer.json``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypedDict
+from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 import numpy as np
 
@@ -31,6 +32,9 @@ class TokenizerInfo(TypedDict):
     eos_id: int
     bos_id: int | None
     """None when the tokenizer has none of the usual BOS tokens."""
+    sha256: NotRequired[str]
+    """A Hugging Face tokenizer's canonical serialization, hashed: two tokenizers with the same
+    size and special ids but other merges or vocabularies differ here (absent for bytes)."""
 
 
 class Tokenizer(Protocol):
@@ -151,6 +155,9 @@ class HFTokenizer:
             "vocab_size": self.vocab_size,
             "eos_id": self.eos_id,
             "bos_id": self.bos_id,
+            # to_str(), not the file's bytes: the same tokenizer re-saved with other whitespace
+            # or key order is still the same tokenizer.
+            "sha256": hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest(),
         }
 
 

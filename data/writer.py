@@ -22,40 +22,55 @@ Split = Literal["train", "val"]
 
 
 class ShardWriter:
-    """Appends tokens to ``{split}-00000.bin``, ``-00001``, ... of at most ``shard_tokens`` each."""
+    """Appends tokens to ``{split}-00000.bin``, ``-00001``, ... of at most ``shard_tokens`` each;
+    with `masked`, each token's loss-mask byte to ``{split}-00000.mask.bin``, ... beside them."""
 
-    def __init__(self, directory: Path, split: Split, dtype: np.dtype, shard_tokens: int) -> None:
+    def __init__(
+        self, directory: Path, split: Split, dtype: np.dtype, shard_tokens: int, masked: bool
+    ) -> None:
         self.directory, self.split, self.dtype = directory, split, dtype
-        self.shard_tokens = shard_tokens
+        self.shard_tokens, self.masked = shard_tokens, masked
         self.shards: list[dict[str, Any]] = []
         self.num_documents = 0
-        self._file: BinaryIO | None = None
+        self.num_targets = 0
+        self._files: list[BinaryIO] = []
 
-    def write_documents(self, docs: list[np.ndarray]) -> None:
-        """Documents, each already followed by its EOS, in one write per chunk of documents."""
+    def write_documents(self, docs: list[np.ndarray], masks: list[np.ndarray] | None) -> None:
+        """Documents, each already followed by its EOS, in one write per chunk of documents;
+        `masks`: their loss masks (uint8, 1 for a target), when the writer is `masked`."""
         if docs:
-            self.write(np.concatenate(docs))
+            self.write(np.concatenate(docs), np.concatenate(masks) if masks else None)
             self.num_documents += len(docs)
 
-    def write(self, tokens: np.ndarray) -> None:
+    def write(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
+        if (mask is not None) != self.masked:
+            raise ValueError(f"a {'masked' if self.masked else 'plain'} writer got mask={mask}")
         tokens = tokens.astype(self.dtype, copy=False)
+        if mask is not None:
+            self.num_targets += int(mask.sum())
         while len(tokens):
-            if self._file is None:
-                name = f"{self.split}-{len(self.shards):05d}.bin"
-                self._file = (self.directory / name).open("wb")
-                self.shards.append({"file": name, "num_tokens": 0})
+            if not self._files:
+                name = f"{self.split}-{len(self.shards):05d}"
+                self.shards.append({"file": f"{name}.bin", "num_tokens": 0})
+                if self.masked:
+                    self.shards[-1]["mask"] = f"{name}.mask.bin"
+                names = [self.shards[-1][k] for k in ("file", "mask") if k in self.shards[-1]]
+                self._files = [(self.directory / n).open("wb") for n in names]
             shard = self.shards[-1]
-            part = tokens[: self.shard_tokens - shard["num_tokens"]]
-            part.tofile(self._file)
-            shard["num_tokens"] += len(part)
-            tokens = tokens[len(part) :]
+            n = min(len(tokens), self.shard_tokens - shard["num_tokens"])
+            # Token and mask files cut at the same token: shard i's mask is shard i's alone.
+            for f, data in zip(self._files, (tokens, mask), strict=False):
+                data[:n].tofile(f)
+            shard["num_tokens"] += n
+            tokens = tokens[n:]
+            mask = None if mask is None else mask[n:]
             if shard["num_tokens"] == self.shard_tokens:
                 self.close()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for f in self._files:
+            f.close()
+        self._files = []
 
 
 def check_out(out: Path) -> None:

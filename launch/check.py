@@ -32,13 +32,15 @@ from checkpoint.hf import check_hf_config
 from checkpoint.state import CONFIG, read_run_config
 from configs import ConfigError, HelpRequested, config_to_dict, config_to_toml, parse_config
 from data.documents import check_documents
-from data.loader import DatasetIndex, check_eval_split, open_dataset
+from data.loader import DataConfig, DatasetIndex, DataSource, check_eval_split, open_sources
 from launch.job import JobConfig
 from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
 from model import ModelConfig, ModelFamily, get_family, get_hf_mapping
 from parallel.dims import LaunchEnv, resolve_dims
 from parallel.float8 import check_float8, unmatched_skips
+from parallel.freeze import apply_freeze
+from parallel.lora import LoRAConfig, apply_lora
 from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
 
@@ -57,12 +59,15 @@ class Plan:
     dp_shard: int
     grad_accum_steps: int
     dataset: DatasetIndex | None
-    """None only in a dry run whose data is not there (yet)."""
+    """The first source's index: the tokenizer every source shares (vocabulary, EOS). None only
+    in a dry run whose data is not there (yet)."""
     resume: ResumePoint | None
     resume_changes: tuple[str, ...] = ()
     """Settings that differ from the resumed checkpoint's, applied: "optim.lr: 0.0003 -> 0.001"."""
     tp: int = 1
     """Tensor-parallel degree (parallel/tp.py); the data-parallel ranks are the world / tp."""
+    sources: tuple[DataSource, ...] = ()
+    """The training sources (data.path, or the data.sources mixture), sorted by name."""
 
 
 def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
@@ -80,11 +85,11 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
             f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({dp})"
         )
     # A dry run needs no data: it reports the plan for a cluster the data may not be on yet.
-    dataset = (
-        None if job.dry_run and not Path(job.data.path).exists() else open_dataset(job.data.path)
-    )
-    if dataset is not None:
-        check_dataset(job, args, dataset)
+    paths = data_paths(job.data)
+    present = bool(paths) and all(Path(path).exists() for path in paths)
+    sources = () if job.dry_run and not present else tuple(open_sources(job.data))
+    if sources:
+        check_dataset(job, args, sources)
     if job.parallel.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
     on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()
@@ -95,6 +100,16 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         check_hf_config(mapping, args, job.checkpoint.init_from_hf)
     with torch.device("meta"):  # no memory: for the shapes and layer names
         meta_model = family.build_model(args)
+    # What trains: patterns that match nothing fail here. LoRA's adapters are checkpoint keys.
+    if job.lora.enabled and t.freeze:
+        raise ConfigError(
+            "train.freeze with lora.enabled: LoRA already freezes every parameter but its "
+            "adapters; choose the adapted layers with lora.targets instead"
+        )
+    if job.lora.enabled:
+        apply_lora(meta_model, job.lora)
+    if t.freeze:
+        apply_freeze(meta_model, t.freeze)
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
     # or unwritable path) surface here too, before anything could hang on them.
     shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
@@ -122,18 +137,26 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
             "this run would prune (keep_last): choose another run.name or checkpoint.folder"
         )
     accum = t.global_batch_size // (t.micro_batch_size * dp)
+    dataset = sources[0].index if sources else None
     return Plan(
         family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes),
-        tp=job.parallel.tp,
+        tp=job.parallel.tp, sources=sources,
     )  # fmt: skip
 
 
-def check_dataset(job: JobConfig, args: Any, dataset: DatasetIndex) -> None:
-    check_documents(job.data, dataset)  # document masking needs an EOS id
+def data_paths(cfg: DataConfig) -> list[str]:
+    """The dataset folders the config names: data.path, or each source's."""
+    return [cfg.path] if cfg.path is not None else [s.path for s in cfg.sources.values()]
+
+
+def check_dataset(job: JobConfig, args: Any, sources: tuple[DataSource, ...]) -> None:
+    dataset = sources[0].index  # every source has the same tokenizer (open_sources checks it)
+    for source in sources:  # document masking needs every source's EOS id
+        check_documents(job.data, source.index, source.key)
     if dataset.vocab_size > args.vocab_size:
         raise ConfigError(
             f"model.vocab_size ({args.vocab_size}) is smaller than the dataset's tokenizer "
-            f"vocabulary ({dataset.vocab_size}, {job.data.path}): set model.vocab_size"
+            f"vocabulary ({dataset.vocab_size}, {dataset.path}): set model.vocab_size"
         )
     if job.data.seq_len > args.max_seq_len:
         raise ConfigError(
@@ -141,22 +164,25 @@ def check_dataset(job: JobConfig, args: Any, dataset: DatasetIndex) -> None:
             f"({args.max_seq_len})"
         )
     t = job.train
-    if t.eval_interval > 0 and dataset.num_tokens("val") > 0:
+    for source in sources if t.eval_interval > 0 else ():  # each source is evaluated alone
+        if source.index.num_tokens("val") == 0:
+            raise ConfigError(
+                f"train.eval_interval={t.eval_interval} but {source.key}={source.index.path} "
+                "has no validation split: prepare it with --val-fraction > 0, or set "
+                "train.eval_interval=0"
+            )
         # A split too short for one window, or fewer windows than eval_batches asks for, would
         # fail at the first evaluation (after the steps before it) or silently repeat data.
-        check_eval_split(dataset, job.data.seq_len, t.global_batch_size, t.eval_batches)
-    if job.train.eval_interval > 0 and dataset.num_tokens("val") == 0:
-        raise ConfigError(
-            f"train.eval_interval={job.train.eval_interval} but {job.data.path} has no "
-            "validation split: prepare it with --val-fraction > 0, or set train.eval_interval=0"
-        )
+        check_eval_split(source.index, job.data.seq_len, t.global_batch_size, t.eval_batches)
 
 
 # What a resume may change: everything not listed here is applied (and listed in the log).
-# These would change the model's math or the data stream under a running optimizer, so a
-# resume that changes them is an error (start a new run, or fine-tune with load_model_only).
+# These would change the model's math, what trains (the optimizer holds state for exactly the
+# trainable parameters) or the data stream under a running optimizer, so a resume that changes
+# them is an error (start a new run, or fine-tune with load_model_only). lora.dropout may change.
 RESUME_FIXED = ("data.path", "data.seq_len", "data.num_workers", "data.attention_mask",
-                "data.document_positions", "train.seed")  # fmt: skip
+                "data.document_positions", "train.seed", "train.freeze", "lora.enabled",
+                "lora.rank", "lora.alpha", "lora.targets")  # fmt: skip
 # Not settings of the run's math: where it lives and how it was started.
 RESUME_IGNORED = ("run.", "dry_run", "checkpoint.resume", "checkpoint.load_model_only",
                   "checkpoint.init_from_hf")  # fmt: skip
@@ -170,7 +196,9 @@ def resume_changes(job: JobConfig, path: Path) -> list[str]:
     except Exception as err:  # damaged: Checkpointer.load verifies it and falls back
         logger.warning("cannot read the config of %s (%s): changes not compared", path, err)
         return []
-    old, new = flatten(saved), flatten(config_to_dict(job))
+    # A checkpoint from before fine-tuning settings existed trained everything, without LoRA.
+    before = {"train": {"freeze": []}, "lora": config_to_dict(LoRAConfig())}
+    old, new = flatten(before) | flatten(saved), flatten(config_to_dict(job))
     changed = sorted(
         k for k in old.keys() | new.keys()
         if old.get(k) != new.get(k) and not k.startswith(RESUME_IGNORED)
@@ -184,12 +212,15 @@ def resume_changes(job: JobConfig, path: Path) -> list[str]:
     else:
         fixed = []
     fixed += [k for k in changed if k in RESUME_FIXED]
+    # So is which sources a mixture reads, and where (a source added or removed shows as its
+    # path appearing or vanishing); their weights may change (annealing, data/stream.py).
+    fixed += [k for k in changed if k.startswith("data.sources.") and k.endswith(".path")]
     if fixed:
         what = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed)
         raise ConfigError(
-            f"resuming {path} with a changed {what}: a resume cannot change the model or the "
-            "data stream (see the checkpoint's config in its run folder); start a new run.name, "
-            "or use checkpoint.load_model_only=true to start over from its weights"
+            f"resuming {path} with a changed {what}: a resume cannot change the model, what "
+            "trains or the data stream (see the checkpoint's config in its run folder); start a "
+            "new run.name, or use checkpoint.load_model_only=true to start over from its weights"
         )
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if not k.startswith("model.")]
 
@@ -207,7 +238,7 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
 def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     """`train.py --dry-run`: the resolved config and the run's memory and communication plan,
     printed; nothing is trained and no data is needed."""
-    shape = model_shape(plan.family, plan.args, job.fp8)
+    shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
     mem = plan_memory(
         shape,
         plan.dp_shard,
@@ -242,9 +273,10 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         + " "
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
-    print(f"# parameters: {shape.numel():,}")
+    print(f"# parameters: {shape.numel():,}, trainable {shape.numel(trainable_only=True):,}")
     if plan.dataset is None:
-        print(f"# data: {job.data.path} not found (a dry run does not need it; training does)")
+        where = ", ".join(data_paths(job.data)) or "no data.path or data.sources"
+        print(f"# data: {where} not found (a dry run does not need it; training does)")
     if plan.resume is not None:
         print(f"# resume: {plan.resume.path} (step {plan.resume.step})")
     mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"

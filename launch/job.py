@@ -22,6 +22,7 @@ from parallel.ac import ActivationCheckpointConfig
 from parallel.compile import CompileConfig
 from parallel.dims import ParallelConfig
 from parallel.float8 import Float8Config
+from parallel.lora import LoRAConfig
 
 
 @dataclass
@@ -87,6 +88,9 @@ class TrainConfig:
     """With on_nonfinite='skip': stop with an error after this many skipped steps in a row."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms: bitwise repeatable kernels, somewhat slower."""
+    freeze: list[str] = field(default_factory=list)
+    """Parameters that do not train: glob patterns over their names ('tok_embeddings.*',
+    'layers.[0-7].*'; parallel/freeze.py)."""
 
     def __post_init__(self) -> None:
         names = ("steps", "global_batch_size", "micro_batch_size", "eval_batches")
@@ -110,6 +114,7 @@ class JobConfig:
     fp8: Float8Config = field(default_factory=Float8Config)
     ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     dry_run: bool = False
     """Print the resolved config, mesh, parameter count, memory and communication plan, then
     exit."""

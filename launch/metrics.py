@@ -233,6 +233,8 @@ def format_scalars(scalars: dict[str, float]) -> str:
     for name, (short, fmt) in _SHORT.items():
         if name in scalars:
             parts.append(f"{short} {fmt.format(scalars[name])}")
+    # A mixture's validation loss per source (loss/val/<source>), after the overall one.
+    parts += [f"val_loss/{k[9:]} {v:.4f}" for k, v in scalars.items() if k.startswith("loss/val/")]
     return "  ".join(parts)
 
 

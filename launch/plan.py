@@ -1,6 +1,7 @@
 """Memory and communication per GPU for FSDP, HSDP and FSDP + TP, before renting the cluster.
 
     python -m launch.plan --model 8B --nodes 16 --gpus-per-node 8 --seq-len 8192 --ac full
+    python -m launch.plan --model 70B --nodes 2 --lora-rank 16      # a LoRA fine-tune
 
 Prints, for FSDP (dp_shard = all GPUs), HSDP (dp_shard = GPUs per node) and FSDP with tensor
 parallel inside each node side by side, the per-GPU memory and the bytes each GPU sends per
@@ -15,6 +16,7 @@ import argparse
 
 from model import ModelConfig, get_family
 from parallel.float8 import Float8Config
+from parallel.lora import LoRAConfig
 from parallel.plan import BYTES, model_shape, plan_communication, plan_memory
 
 
@@ -75,10 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter-bw", type=float, default=50, help="GB/s per GPU across nodes")
     p.add_argument("--gpu-mem", type=float, default=80, help="GB per GPU")
     p.add_argument("--tp", type=int, nargs="*", default=[8], help="TP degrees to compare")
+    p.add_argument("--freeze", nargs="*", default=[], help="train.freeze patterns")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on lora.targets' "
+                   "default layers (0: no LoRA)")  # fmt: skip
     a = p.parse_args(argv)
     family = get_family(a.family)
     args = family.build_args(ModelConfig(name=a.family, flavor=a.model))
-    shape = model_shape(family, args, Float8Config(enabled=a.fp8))
+    lora = LoRAConfig(enabled=True, rank=a.lora_rank) if a.lora_rank > 0 else None
+    shape = model_shape(family, args, Float8Config(enabled=a.fp8), lora, a.freeze)
     world = a.nodes * a.gpus_per_node
     meshes = {
         f"FSDP 1x{world}": (1, world, 1),
@@ -103,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         # A shard group within one node talks over NVLink; spanning nodes, the slow link rules.
         shard_bw = a.intra_bw if shard * tp <= a.gpus_per_node else a.inter_bw
         seconds[name] = comm_seconds(comm, shard_bw * 1e9, a.inter_bw * 1e9, a.intra_bw * 1e9)
-    n_params = shape.numel()
-    active = f", {shape.active_numel() / 1e9:.2f}B active per token" if shape.top_k else ""
-    print(f"{a.family} {a.model} ({n_params / 1e9:.2f}B parameters{active}) on {a.nodes} x "
+    n_params, n_trained = shape.numel(), shape.numel(trainable_only=True)
+    trains = f", {n_trained / 1e9:.3f}B trainable" if n_trained < n_params else ""
+    if shape.top_k:
+        trains += f", {shape.active_numel() / 1e9:.2f}B active per token"
+    print(f"{a.family} {a.model} ({n_params / 1e9:.2f}B parameters{trains}) on {a.nodes} x "
           f"{a.gpus_per_node}")  # fmt: skip
     print("\n".join(format_plan(columns)))
     for name, (mem, _) in columns.items():

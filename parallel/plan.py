@@ -14,6 +14,14 @@ real run within 1%):
   all-gather.
 - Only the last micro-batch of a step reduces gradients: a reduce-scatter in `reduce_dtype`
   inside the shard group, then (HSDP) an all-reduce of the shard across replicas.
+- Fine-tuning (`train.freeze`, LoRA: parallel/freeze.py, parallel/lora.py): gradients, their
+  reduction and optimizer state exist for trainable parameters only. Backward skips a block
+  whose parameters are all frozen when nothing before it trains (not the embedding, not an
+  earlier block): no activations kept for it, and no second all-gather, except for the last
+  such block, which FSDP2's implicit backward prefetch (of the block before, in forward order)
+  gathers all the same (measured by tests/test_plan.py). Tensor parallel's
+  backward traffic is still counted for every block, and LoRA adapters whole on each tp rank
+  (one of each pair is split: a slight overestimate).
 - fp8 (tensorwise) all-gathers the Linear weights that `parallel.float8.float8_policy` converts
   as 1 byte per element.
 - Bytes sent per rank by a ring: all-gather (S-1)·shard, reduce-scatter (S-1)/S·input,
@@ -47,7 +55,9 @@ from torch import nn
 
 from model import ModelFamily, moe_family
 from parallel.float8 import Float8Config, float8_policy
+from parallel.freeze import apply_freeze
 from parallel.fsdp import Reshard, reshard_plan
+from parallel.lora import LoRAConfig, apply_lora
 
 BYTES = {"bfloat16": 2, "float32": 4}
 AcMode = Literal["none", "full", "selective", "op"]
@@ -61,24 +71,36 @@ class Unit:
     float8_gathered: tuple[bool, ...]
     tp_split: tuple[bool, ...] = ()
     """Which parameters tensor parallel splits (the family's TP_PLAN); empty: none."""
+    trainable: tuple[bool, ...] = ()
+    """Which parameters train (train.freeze, LoRA); empty: all of them."""
+    backward: bool = True
+    """Whether backward runs through this unit (not: frozen, and nothing before it trains)."""
     expert: tuple[bool, ...] = ()
     """Which parameters are stacked expert weights (dim 0 = expert); empty: none."""
 
-    def numel(self) -> int:
-        return sum(math.prod(s) for s in self.shapes)
+    def numel(self, trainable_only: bool = False) -> int:
+        return sum(math.prod(s) for s, t in zip(self.shapes, self._trains(), strict=True)
+                   if t or not trainable_only)  # fmt: skip
 
     def expert_numel(self) -> int:
         experts = self.expert or (False,) * len(self.shapes)
         return sum(math.prod(s) for s, e in zip(self.shapes, experts, strict=True) if e)
 
-    def shard_numel(self, shard: int, fp8_only: bool | None = None, tp: int = 1) -> int:
+    def _trains(self) -> tuple[bool, ...]:
+        return self.trainable or (True,) * len(self.shapes)
+
+    def shard_numel(
+        self, shard: int, fp8_only: bool | None = None, tp: int = 1, trainable_only: bool = False
+    ) -> int:
         """Elements of this rank's (padded) shard: FSDP2 pads dim 0 to a multiple of shard;
-        a weight tensor parallel splits holds 1/tp of them (tp divides those dims)."""
+        a weight tensor parallel splits holds 1/tp of them (tp divides those dims).
+        `trainable_only`: of the parameters that train (gradients, optimizer state)."""
         split = self.tp_split or (False,) * len(self.shapes)
+        params = zip(self.shapes, self.float8_gathered, split, self._trains(), strict=True)
         return sum(
             math.ceil(s[0] / shard) * math.prod(s[1:]) // (tp if t else 1)
-            for s, f, t in zip(self.shapes, self.float8_gathered, split, strict=True)
-            if fp8_only is None or f == fp8_only
+            for s, f, t, trains in params
+            if (fp8_only is None or f == fp8_only) and (trains or not trainable_only)
         )
 
     def tp_numel(self, tp: int) -> int:
@@ -101,8 +123,12 @@ class ModelShape:
     """Mixture of experts: experts per token (0: a dense model)."""
     n_experts: int = 0
 
-    def numel(self) -> int:
-        return sum(u.numel() for u in self.units)
+    def numel(self, trainable_only: bool = False) -> int:
+        return sum(u.numel(trainable_only) for u in self.units)
+
+    def n_backward_blocks(self) -> int:
+        """Blocks that backward runs through (all of them unless the first ones are frozen)."""
+        return sum(u.backward for u in self.units[:-1])
 
     def active_numel(self) -> int:
         """Parameters one token uses: top_k / n_experts of each expert weight, all the rest."""
@@ -110,18 +136,19 @@ class ModelShape:
         return self.numel() - experts + (experts * self.top_k // self.n_experts if experts else 0)
 
 
-def model_shape(family: ModelFamily, args: object, fp8: Float8Config | None = None) -> ModelShape:
+def model_shape(
+    family: ModelFamily,
+    args: object,
+    fp8: Float8Config | None = None,
+    lora: LoRAConfig | None = None,
+    freeze: list[str] | tuple[str, ...] = (),
+) -> ModelShape:
     """Build the model on meta (no memory) and read its FSDP units' parameter shapes. With fp8
     on and tensorwise, the weights of the Linear layers the FP8 policy converts are all-gathered
-    in float8 (rowwise gathers in the compute dtype)."""
+    in float8 (rowwise gathers in the compute dtype). `lora` (when enabled) and `freeze`: what
+    trains, as train.py sets it (LoRA's adapters are parameters of their blocks' units)."""
     with torch.device("meta"):
         model = family.build_model(args)
-    units = family.fsdp_units(model)
-    in_unit = {id(p) for u in units for p in u.parameters()}
-    moe = moe_family(family)
-    experts = set()
-    if moe is not None:
-        experts = {id(p) for m in moe.expert_modules(model) for p in m.parameters()}
     float8 = set()
     if fp8 is not None and fp8.enabled and fp8.recipe == "tensorwise":
         modules = dict(model.named_modules())
@@ -130,17 +157,36 @@ def model_shape(family: ModelFamily, args: object, fp8: Float8Config | None = No
             for d in float8_policy(model, fp8, family.fp8_linears(model))
             if d.converted
         }
-
     split = _tp_split_params(model, getattr(family, "TP_PLAN", None))
+    if lora is not None and lora.enabled:  # after the float8 policy, as in train.py
+        apply_lora(model, lora)
+    if freeze:
+        apply_freeze(model, list(freeze))
+    units = family.fsdp_units(model)
+    in_unit = {id(p) for u in units for p in u.parameters()}
+    # Backward reaches a block once anything before it trains: the embedding or a block.
+    reached = any(
+        p.requires_grad for m in model.modules() if isinstance(m, nn.Embedding)
+        for p in m.parameters()
+    )  # fmt: skip
 
-    def unit(params: list[tuple[str, nn.Parameter]]) -> Unit:
-        shapes = tuple(tuple(p.shape) for _, p in params)
-        return Unit(shapes, tuple(id(p) in float8 for _, p in params),
-                    tuple(id(p) in split for _, p in params),
-                    tuple(id(p) in experts for _, p in params))  # fmt: skip
+    moe = moe_family(family)
+    experts = set()
+    if moe is not None:
+        experts = {id(p) for m in moe.expert_modules(model) for p in m.parameters()}
 
-    blocks = [unit(list(u.named_parameters())) for u in units]
-    root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_unit]
+    def unit(params: list[nn.Parameter], backward: bool = True) -> Unit:
+        shapes = tuple(tuple(p.shape) for p in params)
+        return Unit(shapes, tuple(id(p) in float8 for p in params),
+                    tuple(id(p) in split for p in params),
+                    tuple(p.requires_grad for p in params), backward,
+                    tuple(id(p) in experts for p in params))  # fmt: skip
+
+    blocks = []
+    for u in units:
+        reached = reached or any(p.requires_grad for p in u.parameters())
+        blocks.append(unit(list(u.parameters()), reached))
+    root = [p for p in model.parameters() if id(p) not in in_unit]
     if moe is not None:  # one expert's SwiGLU hidden size
         ffn_hidden, top_k, n_experts = args.moe_ffn_dim, args.top_k, args.n_experts
     else:  # the widest Linear output of a block is its FFN hidden size (SwiGLU's up projections)
@@ -192,14 +238,19 @@ def plan_communication(
     # With no unit resharded, the loop keeps them gathered across micro-batches too.
     kept_all_step = not any(resharded)
     gather = reduce_scatter = all_reduce = 0.0
-    for u, freed in zip(units, resharded, strict=True):
+    n_blocks = len(units) - 1
+    for i, (u, freed) in enumerate(zip(units, resharded, strict=True)):
         # float8-gathered weights cross as 1 byte; norms, embeddings, output in param_dtype
         gathered = u.shard_numel(s, True, tp) + u.shard_numel(s, False, tp) * BYTES[param_dtype]
-        passes = 2 if freed else 1
+        # Gathered again in backward: a unit backward runs through, and the block just before
+        # the first one it runs through (prefetched by that one; see the module docstring).
+        in_backward = u.backward or (i + 1 < n_blocks and units[i + 1].backward)
+        passes = 2 if freed and in_backward else 1
         if not kept_all_step:
             passes *= grad_accum_steps
         gather += passes * (s - 1) * gathered
-        grad_shard = u.shard_numel(s, tp=tp) * BYTES[reduce_dtype]
+        # Frozen parameters have no gradient to reduce.
+        grad_shard = u.shard_numel(s, tp=tp, trainable_only=True) * BYTES[reduce_dtype]
         reduce_scatter += (s - 1) * grad_shard  # (S-1)/S of the padded full gradient
         all_reduce += 2 * (r - 1) / r * grad_shard
     return {
@@ -266,7 +317,9 @@ def activation_bytes(
     ffn, routed = (0, k * (2 * d + 4 * h) + 3 * shape.n_experts) if k else (4 * h, 0)
     full_block = tokens * ((10 * d + 4 * kv + ffn) / tp + routed + gathered) * BYTES[param_dtype]
     block_input = tokens * d / tp * BYTES[param_dtype]
-    n = shape.n_layers
+    n = shape.n_backward_blocks()  # a block backward skips keeps nothing
+    if n == 0:
+        return 0.0
     if ac_mode == "none":
         return n * full_block
     recomputed = full_block if recompute else 0
@@ -295,11 +348,13 @@ def plan_memory(
 
     Master weights, gradients and AdamW's two moments (plus a 4-byte step per tensor) are
     float32, sharded over dp_shard (HSDP replicas each hold their shard group's state) and,
-    for the weights tensor parallel splits, over tp.
+    for the weights tensor parallel splits, over tp. Gradients and moments exist only for the
+    parameters that train.
     """
     units = shape.units
     shard = sum(u.shard_numel(dp_shard, tp=tp) for u in units)
-    n_tensors = sum(len(u.shapes) for u in units)
+    trained = sum(u.shard_numel(dp_shard, tp=tp, trainable_only=True) for u in units)
+    n_tensors = sum(sum(u._trains()) for u in units)
     pbytes = BYTES[param_dtype]
     tokens = micro_batch * seq_len
     root, block = units[-1].tp_numel(tp), units[0].tp_numel(tp)
@@ -310,8 +365,8 @@ def plan_memory(
     gathered_blocks = max(kept, min(2, n_blocks))
     return {
         "params": 4 * shard,
-        "grads": 4 * shard,
-        "optimizer": 8 * shard + 4 * n_tensors,
+        "grads": 4 * trained,
+        "optimizer": 8 * trained + 4 * n_tensors,
         "gathered_params": (root + gathered_blocks * block) * pbytes,
         "activations": activation_bytes(shape, tokens, param_dtype, ac_mode, ac_every, tp=tp),
         # Logits in compute dtype and, at the loss's peak, their gradient: in compute dtype when

@@ -108,8 +108,9 @@ class _Replicated(ParallelStyle):
     local tensors (the model contract: `model.moe.local`). Its first input is all-gathered from
     sequence shards into a plain tensor, its first output split back along the sequence (a
     local slice, a plain tensor like "rowwise"'s); further outputs (an MoE layer's aux loss and
-    expert counts) pass through, the same on every tp rank. Backward: one all-gather of the output's gradient; every rank
-    then holds the same full gradients, so the replicated weights' gradients need no reduction.
+    expert counts) pass through, the same on every tp rank. Backward: one all-gather of the
+    output's gradient; every rank then holds the same full gradients, so the replicated
+    weights' gradients need no reduction.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

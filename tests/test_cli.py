@@ -132,7 +132,8 @@ def test_help_lists_every_section(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 0
     for key in ["--parallel.dp_shard", "--train.global_batch_size", "--data.seq_len",
-                "--model.flavor", "--optim.lr", "--metrics.peak_tflops"]:  # fmt: skip
+                "--model.flavor", "--optim.lr", "--metrics.peak_tflops",
+                "--data.sources.NAME.weight"]:  # fmt: skip
         assert key in result.stdout
 
 

@@ -261,3 +261,43 @@ def test_docs_and_help() -> None:
     assert "--model.dim=<int> (default: 64)" in text
     assert "[train.schedule]  Learning-rate schedule." in text
     assert "# Run name, used for the output directory.\nname = " in config_to_toml(RunConfig())
+
+
+@dataclass
+class MixConfig:
+    sources: dict[str, ScheduleConfig] = field(default_factory=dict)
+    """Named schedules, one table each."""
+
+
+@dataclass
+class WithMap:
+    mix: MixConfig = field(default_factory=MixConfig)
+
+
+def test_named_sections_from_toml_and_command_line(tmp_path: Path) -> None:
+    """`dict[str, Config]` fields: tables [mix.sources.NAME], keys --mix.sources.NAME.KEY."""
+    path = write(tmp_path, '[mix.sources.a]\nkind = "linear"\n[mix.sources.b]\nwarmup = 3\n')
+    cfg = parse_config(WithMap, [path, "--mix.sources.b.kind=constant", "--mix.sources.c.warmup=7"])
+    assert cfg.mix.sources == {
+        "a": ScheduleConfig("linear", 10), "b": ScheduleConfig("constant", 3),
+        "c": ScheduleConfig("cosine", 7),
+    }  # fmt: skip
+    assert parse_config(WithMap, []).mix.sources == {}
+    text = config_to_toml(cfg)
+    assert "# Named schedules, one table each.\n[mix.sources.a]\n" in text
+    assert parse_config(WithMap, [write(tmp_path, text)]) == cfg
+    assert config_to_dict(cfg)["mix"]["sources"]["c"] == {"kind": "cosine", "warmup": 7}
+    help_lines = help_text(WithMap)
+    assert "[mix.sources.NAME]  Named schedules, one table each." in help_lines
+    assert '--mix.sources.NAME.kind=<cosine|linear|constant> (default: "cosine")' in help_lines
+
+    def fails(argv: list[str]) -> str:
+        with pytest.raises(ConfigError) as info:
+            parse_config(WithMap, argv)
+        return str(info.value)
+
+    assert "'mix.sources.a' is a section, not a value" in fails(["--mix.sources.a=1"])
+    assert "set an entry's keys as --mix.sources.NAME.KEY=VALUE" in fails(["--mix.sources=1"])
+    assert "valid keys in [mix.sources.a]: kind, warmup" in fails(["--mix.sources.a.knd=x"])
+    assert "'mix.sources' holds named sections" in fails([write(tmp_path, "[mix]\nsources = 1\n")])
+    assert "mix.sources.a.kind: 'x' is not one of" in fails(["--mix.sources.a.kind=x"])

@@ -58,7 +58,7 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
             params = list(model.parameters())
             captured["state"] = {
                 "params": sum(_local_bytes(p) for p in params),
-                "grads": sum(_local_bytes(p.grad) for p in params),
+                "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
                 "optimizer": sum(_local_bytes(v) for s in o.state.values() for v in s.values()),
             }
 
@@ -128,6 +128,20 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
         pytest.param(
             2, ["--fp8.enabled=true", "--fp8.filter=none"], id="hsdp-fp8", marks=pytest.mark.slow
         ),
+        # The embedding, blocks 0 and 1 of 3 and the final norm frozen: no reduction for
+        # them; backward leaves out blocks 0 and 1, but prefetches (gathers) block 1. With
+        # 'always' every block frees after forward.
+        pytest.param(
+            2,
+            [
+                "--train.freeze=tok_embeddings.*,layers.[01].*,norm.*",
+                "--model.n_layers=3",
+                "--parallel.reshard_after_forward=always",
+            ],
+            id="hsdp-freeze",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(1, ["--lora.enabled=true"], id="fsdp-lora", marks=pytest.mark.slow),
     ],
 )
 def test_planner_matches_instrumented_collectives(
@@ -155,7 +169,7 @@ def test_planner_matches_instrumented_collectives(
     results = run_distributed(instrumented_step, 4, argv, nodes=nodes)
     job = parse_config(JobConfig, argv)
     family = get_family(job.model.name)
-    shape = model_shape(family, family.build_args(job.model), job.fp8)
+    shape = model_shape(family, family.build_args(job.model), job.fp8, job.lora, job.train.freeze)
     rep, shard, p = nodes, 4 // nodes, job.parallel
     planned = plan_communication(
         shape, rep, shard, p.param_dtype, p.reduce_dtype,

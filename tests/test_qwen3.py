@@ -539,7 +539,7 @@ def test_export_gives_the_trainers_val_loss_in_transformers(
     checkpoint.export` of its checkpoint, `from_pretrained`: transformers' loss on the same
     validation batches is the val_loss the trainer logged."""
     transformers = pytest.importorskip("transformers")
-    from data.loader import DataConfig, build_dataloader, open_dataset
+    from data.loader import DataConfig, build_dataloader
 
     root = Path(__file__).resolve().parents[1]
     argv = run_argv(tiny_dataset, tmp_path, "val", "--train.steps=4", "--train.eval_interval=4",
@@ -558,8 +558,7 @@ def test_export_gives_the_trainers_val_loss_in_transformers(
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, local_files_only=True).eval()
     assert type(model).__name__ == "Qwen3ForCausalLM"
     val = build_dataloader(DataConfig(path=tiny_dataset, seq_len=32), "val", dp_rank=0,
-                           dp_size=1, micro_batch_size=8, seed=0,
-                           index=open_dataset(tiny_dataset))  # fmt: skip
+                           dp_size=1, micro_batch_size=8, seed=0)  # fmt: skip
     batches = iter(val)
     total, count = 0.0, 0
     with torch.no_grad():

@@ -1,0 +1,68 @@
+"""The README's data walk-through, run as written: shards -> two sources -> mixture with document
+masking -> annealed resume. Only the number of steps (and evaluation to match) is appended, so
+that it costs seconds; a later `--key=value` overrides an earlier one, as users rely on too."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTION = "**From shards to a mixture, step by step.**"
+
+
+def readme_commands() -> list[str]:
+    """The shell commands of the walk-through's bash blocks, continuation lines joined."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(SECTION) : text.index("tests/test_readme.py")]
+    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 2, "the walk-through has a first run and an annealed resume"
+    return [line for b in blocks for line in b.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_readme_data_walkthrough_runs_as_written(tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    # The user's working copy (the commands run from the repo root), without the outputs,
+    # corpus or environment of this checkout.
+    repo = tmp_path / "repo"
+    skip = shutil.ignore_patterns(".*", "outputs", "corpus", "__pycache__", "*.egg-info")
+    shutil.copytree(ROOT, repo, ignore=skip)
+    env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "OMP_NUM_THREADS")}
+    env["PYTHONPATH"] = str(repo)  # `python -m data...` imports this copy, as an editable install
+    runs = []
+    for command in readme_commands():
+        if command.startswith("pip install"):
+            continue  # the test environment has the extras; installing is the user's step
+        if "torchrun.sh" in command:
+            total = int(re.search(r"--train\.steps=(\d+)", command).group(1))
+            # 100 and 200 steps become 2 and 4: the second still resumes the first.
+            command += f" --train.steps={total // 50} --train.eval_interval=2"
+            command += " --train.eval_batches=1"
+        result = subprocess.run(
+            command, shell=True, cwd=repo, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+        if "torchrun.sh" in command:
+            runs.append(result.stdout + result.stderr)
+
+    first, annealed = runs
+    data_line = "data: code 0.9 (outputs/data/code), prose 0.1 (outputs/data/prose); seq_len 256, "
+    assert data_line + "document attention" in first, first[-3000:]
+    assert re.search(r"val_loss/code [\d.]+  val_loss/prose [\d.]+", first), first[-3000:]
+    for source in ("code", "prose"):
+        assert list((repo / "outputs" / "data" / source).glob("train-*.bin"))
+        assert (repo / "outputs" / "data" / source / "index.json").is_file()
+    # The second command resumed the first at step 2 and applied the new weights from there.
+    resumed = "resuming outputs/mixture/checkpoints/step-2 at step 2 of 4"
+    assert resumed in annealed, annealed[-3000:]
+    assert "data.sources.prose.weight: 0.1 -> 0.5" in annealed, annealed[-3000:]
+    assert "mixture weights change at stream position 16" in annealed, annealed[-3000:]
+    assert "done: step 4/4" in annealed, annealed[-3000:]
+    tb = repo / "outputs" / "mixture" / "tensorboard"
+    assert tb.is_dir() and any(tb.rglob("events.out.tfevents.*"))
