@@ -60,7 +60,7 @@ provides, and the trainer and `parallel/` may assume:
   MoE layer's terms as extra outputs (compile, AC and FSDP see plain tensors; no collective and
   no state inside a block) and the model's forward keeps their total until the next forward.
   `aux_loss(model)` is that total for the last forward: the load-balance loss and the router
-  z-loss, coefficients (`model.aux_loss_coef`, `model.router_z_loss_coef`) applied, each
+  z-loss, coefficients (`args.aux_loss_coef`, `args.router_z_loss_coef`) applied, each
   computed **per sequence**, averaged over the MoE layers and **summed over the micro-batch's
   sequences**. The trainer adds `aux_loss / (sequences in the step over all ranks)` to the main
   loss (summed over target tokens / targets in the step over all ranks). A sequence is never
@@ -69,10 +69,12 @@ provides, and the trainer and `parallel/` may assume:
 - `expert_load(model)`: tokens routed to each expert by the last forward, (MoE layers,
   experts) float32, detached: the trainer sums it over the step's micro-batches and ranks
   and logs the load per layer (launch/metrics.py).
-- `expert_modules(model)`: each MoE layer's experts module (`model.moe.GroupedExperts`): stacked
-  weights with the expert as dim 0 and `forward(rows sorted by expert, counts per expert)`. It
-  sits inside its block's FSDP unit; expert parallel may shard these weights over experts and
-  wrap the module's forward (all-to-all before and after), nothing else.
+- `expert_modules(model)`: each MoE layer's experts module (`model.moe.GroupedExperts`), inside
+  its block: stacked weights with the expert as dim 0, computed with their local tensors
+  (`model.moe.local`), and `forward(rows sorted by expert, counts per expert)`. Without
+  expert parallel they belong to their block's FSDP unit. Expert parallel (parallel/ep.py)
+  splits these weights over experts, makes the module an FSDP unit of its own and wraps its
+  forward (all-to-all before and after); the model must not read the weights elsewhere.
 - Its args have `n_experts`, `top_k` and `moe_ffn_dim` (`MoEArgs`); `flops_per_token` counts
   the *active* parameters (top_k of n_experts experts, plus every dense one), and
   `fp8_linears` leaves out the router and the experts (they are no nn.Linear; float8 grouped

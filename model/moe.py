@@ -40,7 +40,8 @@ def local(weight: torch.Tensor) -> torch.Tensor:
 
 # ---- grouped GEMM ---------------------------------------------------------------------------
 # torch._grouped_mm(a, b, offs) multiplies row group g of a (rows offs[g-1]:offs[g]) by b[g];
-# rows past offs[-1] come out zero. On torch 2.13 it runs on CPU (float32, bfloat16, float16) as
+# rows past offs[-1] are left unwritten (so every caller here covers all rows: offs[-1] =
+# rows). On torch 2.13 it runs on CPU (float32, bfloat16, float16) as
 # on CUDA, but its meta function accepts bfloat16 only, so torch.compile cannot trace a float32
 # call. As custom ops (like model/attention.py's kernel) the forward and backward are opaque to
 # compile: the same calls run eagerly inside compiled blocks, in any of those dtypes.
