@@ -60,6 +60,7 @@ from model import count_params, get_hf_mapping, moe_family
 from parallel.ac import apply_ac
 from parallel.compile import apply_compile, compile_loss
 from parallel.dims import LaunchEnv
+from parallel.ep import apply_ep, build_expert_mesh
 from parallel.float8 import apply_float8, precompute_float8_scales
 from parallel.freeze import apply_freeze
 from parallel.fsdp import apply_fsdp, assign_local_shard, reshard_plan
@@ -196,6 +197,12 @@ def _train(
         # adapters would then receive too.
         fp8_comm = fp8_comm and not job.lora.enabled
         apply_tp(model, plan.family, mesh["tp"], float8_collectives=fp8_comm)
+    # Expert parallel, like tensor parallel, on the model on meta before AC and FSDP: the
+    # experts split over groups of ep ranks inside dp_shard, on a mesh of their own.
+    experts = None
+    if plan.ep > 1:
+        expert_mesh = build_expert_mesh(device, plan.dp_replicate, plan.dp_shard, plan.ep)
+        experts = apply_ep(model, plan.family, expert_mesh)
     # Fine-tuning: LoRA after tensor parallel (its adapters take their placements from the
     # split base weights) and after float8 (a float8 base keeps its float8 matmul, and the
     # adapters are never converted); both before FSDP, which keeps frozen and trainable
@@ -222,7 +229,7 @@ def _train(
         apply_compile(model, plan.family.fsdp_units(model), job.compile)
     # At tp > 1 loss parallel (loss_context) keeps the logits split instead: no compiled loss.
     loss_fn = compile_loss(cross_entropy_sum, job.compile) if plan.tp == 1 else cross_entropy_sum
-    apply_fsdp(model, plan.family.fsdp_units(model), dp_mesh(mesh), job.parallel)
+    apply_fsdp(model, plan.family.fsdp_units(model), dp_mesh(mesh), job.parallel, experts)
     model.to_empty(device=device)
     if job.checkpoint.init_from_hf and plan.resume is None:
         mapping = get_hf_mapping(job.model.name)  # checked by check_config
@@ -429,13 +436,21 @@ def _train(
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip by the true global norm: the norm of DTensor gradients reduces over all shards
     (and is the same on every replica), unlike a norm of the local shard. Frozen parameters
-    have no gradient: the norm is over the trainable ones."""
+    have no gradient: the norm is over the trainable ones. Gradients on different meshes (the
+    experts under expert parallel) are reduced per mesh, then combined."""
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    if hasattr(norm, "full_tensor"):  # a DTensor: materialize the reduced value
-        norm = norm.full_tensor()
+    by_mesh: dict[object, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = []
+    for group in list(by_mesh.values()) or [[]]:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        # A DTensor: materialize the reduced value.
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in by_mesh.values():  # one foreach kernel per mesh, as for the norm
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
 
 

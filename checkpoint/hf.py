@@ -182,14 +182,19 @@ def local_ranges(param: torch.Tensor) -> list[tuple[int, int]] | None:
     coordinate = param.device_mesh.get_coordinate()
     if coordinate is None:
         return None
+    if any(type(p) is not Shard and not isinstance(p, Replicate) for p in param.placements):
+        # FSDP's shard of an expert-parallel (or TP) shard along the same dim, a strided
+        # placement: DTensor's own chunk of it, the one DCP saves by, is still one block.
+        chunks = param.__create_chunk_list__()
+        if len(chunks) != 1:
+            raise NotImplementedError(f"loading HF weights into {param.placements}")
+        return [(o, o + n) for o, n in zip(chunks[0].offsets, chunks[0].sizes, strict=True)]
     for mesh_dim, placement in enumerate(param.placements):
         if type(placement) is Shard:  # exactly Shard: its subclasses (strided) split differently
             start, end = ranges[placement.dim]
             chunk = math.ceil((end - start) / param.device_mesh.size(mesh_dim))
             lo = min(start + coordinate[mesh_dim] * chunk, end)
             ranges[placement.dim] = (lo, min(lo + chunk, end))
-        elif not isinstance(placement, Replicate):
-            raise NotImplementedError(f"loading HF weights into {placement} is not supported")
     local_shape = tuple(end - start for start, end in ranges)
     if local_shape != tuple(param.to_local().shape):  # DTensor changed its chunking rule
         raise RuntimeError(
