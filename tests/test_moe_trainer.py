@@ -87,13 +87,14 @@ def test_parity_fsdp_hsdp_and_tp_on_attention(straight: dict, tiny_dataset: str)
 def test_expert_parallel_parity_and_its_checkpoint_resumes_without_ep(
     straight: dict, tiny_dataset: str
 ) -> None:
-    """EP 2 x FSDP 2 and HSDP 2x2 with EP 2 give the 1-process run; EP 2's checkpoint of step 3
-    continues at EP 1 (FSDP 1x2) and on 1 process with the straight run's losses. TensorBoard
-    holds the aux loss and every layer's expert load each step."""
+    """EP 2 x FSDP 2 and HSDP 2x2 with EP 2 (and full AC) give the 1-process run; EP 2's
+    checkpoint of step 3 continues at EP 1 (FSDP 1x2) and on 1 process with the straight run's
+    losses. TensorBoard holds the aux loss and every layer's expert load each step."""
     out = straight["out"]
     ep = train(tiny_dataset, out, "ep", 4, "--parallel.ep=2", "--checkpoint.interval=3")
     assert_same_run(ep, straight)
-    hsdp_ep = train(tiny_dataset, out, "hsdp_ep", 4, "--parallel.ep=2", nodes=2)
+    # Full AC recomputes each block's forward in backward, all-to-alls included.
+    hsdp_ep = train(tiny_dataset, out, "hsdp_ep", 4, "--parallel.ep=2", "--ac.mode=full", nodes=2)
     assert_same_run(hsdp_ep, straight)
     step3 = out / "ep" / "checkpoints" / "step-3"
     # Its keys and shapes are the model's own: whole experts, as without EP.
@@ -120,6 +121,17 @@ def test_expert_parallel_parity_and_its_checkpoint_resumes_without_ep(
                                    ep["expert_load/max_over_mean_layer01"], strict=True)]
     )  # fmt: skip
     assert all(a > 0 and math.isfinite(a) for a in ep["loss/aux"])
+
+
+@pytest.mark.slow
+def test_compile_and_ac_keep_the_losses(straight: dict, tiny_dataset: str) -> None:
+    """Op-level AC (the grouped GEMMs saved) recomputes to the bit; compiled blocks with it
+    (the grouped GEMM a custom op inside them) stay within 1e-5."""
+    out = straight["out"]
+    op_ac = train(tiny_dataset, out, "op_ac", 1, "--ac.mode=op")
+    assert op_ac["losses"] == straight["losses"] and op_ac["grad_norm"] == straight["grad_norm"]
+    assert_same_run(train(tiny_dataset, out, "compiled", 1, "--compile.enabled", "--ac.mode=op"),
+                    straight)  # fmt: skip
 
 
 # ---- bad input -----------------------------------------------------------------------------
