@@ -255,6 +255,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         job.parallel.cpu_offload,
         compiled_loss=job.compile.enabled and job.compile.loss and job.parallel.tp == 1,
         tp=plan.tp,
+        ep=plan.ep,
     )
     comm = plan_communication(
         shape,
@@ -269,11 +270,13 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         tokens=job.train.micro_batch_size * job.data.seq_len,
         ac_mode=job.ac.mode,
         ac_every=job.ac.every,
+        ep=plan.ep,
     )
     print(config_to_toml(job))
     print(
         f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard}"
         + (f" x tp={plan.tp}" if plan.tp > 1 else "")
+        + (f" (ep={plan.ep} inside dp_shard)" if plan.ep > 1 else "")
         + " "
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
@@ -285,6 +288,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         print(f"# resume: {plan.resume.path} (step {plan.resume.step})")
     mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
     mesh += f" TP{plan.tp}" if plan.tp > 1 else ""
+    mesh += f" EP{plan.ep}" if plan.ep > 1 else ""
     print("\n".join(f"# {line}" for line in format_plan({mesh: (mem, comm)})))
 
 
