@@ -13,7 +13,7 @@ One MoE layer maps tokens x (batch, seq, dim) to (batch, seq, dim) in four steps
 4. **Combine**: each pair's output back at its token, weighted by its routing probability and
    summed over the token's top_k experts.
 
-Expert parallel (a later `apply_ep` in parallel/) wraps `GroupedExperts` alone: an all-to-all
+Expert parallel (`apply_ep`, parallel/ep.py) wraps `GroupedExperts` alone: an all-to-all
 before its forward sends each pair to the rank that holds its expert (the counts tell how many
 go where), one after it brings the outputs back; routing, dispatch and combine stay here,
 unchanged. `GroupedExperts.forward(x, counts)` therefore takes rows already sorted by expert and

@@ -15,9 +15,11 @@ of EP rank e.
 **How.** The expert module's stacked weights (expert as dim 0, `model.MoEFamily`) become
 DTensors `Shard(0)` on the `ep` dim of a mesh (dp_replicate, expert_shard, ep) of their own;
 `parallel/fsdp.py` then gives the expert module a `fully_shard` of its own on that mesh's data
-dims, nested in its block's (FSDP2 shards each parameter on its own; torch >= 2.6, so also the
-project's oldest, 2.11). Its gradient divisor is all data-parallel ranks, like the dense
-parameters', because each EP rank's expert gradients already sum the tokens of its whole group.
+dims, nested in its block's: FSDP2 shards each parameter on its own, with APIs torch 2.11 has
+(newer ones, `shard_placement_fn` returning a per-parameter mesh, added after 2.11, and
+`fully_shard(dp_mesh_dims=...)`, could place the experts from the block's own `fully_shard`).
+Its gradient divisor is all data-parallel ranks, like the dense parameters', because each EP
+rank's expert gradients already sum the tokens of its whole group.
 The module's forward gets the all-to-alls around it; routing, dispatch order and combine stay in
 the model (model/moe.py). Checkpoint keys and full shapes do not change: DCP reshards the
 experts between any ep (a checkpoint saved at ep 2 loads at ep 1 and on one process).

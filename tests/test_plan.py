@@ -263,3 +263,17 @@ def test_cli_compares_fsdp_and_hsdp(capsys: pytest.CaptureFixture[str]) -> None:
     assert "FSDP 1x8 TP8: 22.4 GB fits" in out and "recommended: FSDP 1x8 TP8" in out
     main(["--model", "70B", "--nodes", "8", "--gpus-per-node", "8", "--ac", "full", "--tp"])
     assert "recommended: FSDP 1x64" in capsys.readouterr().out  # without TP, as before
+
+
+def test_cli_expert_parallel_for_a_mixture_of_experts(capsys: pytest.CaptureFixture[str]) -> None:
+    """The command of launch/plan.py's docstring: Qwen3-30B-A3B on 2 x 8 GPUs. EP 8 inside each
+    node keeps FSDP's memory per GPU but gathers 16 of the 128 experts of a block, moving most
+    of the traffic into the node's all-to-alls."""
+    argv = ["--family", "qwen3_moe", "--model", "30B-A3B", "--nodes", "2", "--ep", "8"]
+    assert main([*argv, "--ac", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "(30.53B parameters, 3.35B active per token)" in out
+    assert "FSDP 1x16 EP8" in out and "ep all_to_all" in out and "expert_shard all_gather" in out
+    assert "recommended: FSDP 1x16 EP8" in out
+    main(["--model", "8B", "--nodes", "2", "--ep", "8"])  # a dense family: no EP column
+    assert "EP8" not in capsys.readouterr().out
