@@ -51,14 +51,16 @@ from launch.metrics import (
     RunSummary,
     ThroughputMeter,
     Timer,
+    expert_load_scalars,
     memory_stats,
     peak_tflops,
     profile_step,
 )
-from model import count_params, get_hf_mapping
+from model import count_params, get_hf_mapping, moe_family
 from parallel.ac import apply_ac
 from parallel.compile import apply_compile, compile_loss
 from parallel.dims import LaunchEnv
+from parallel.ep import apply_ep, build_expert_mesh
 from parallel.float8 import apply_float8, precompute_float8_scales
 from parallel.freeze import apply_freeze
 from parallel.fsdp import apply_fsdp, assign_local_shard, reshard_plan
@@ -195,6 +197,12 @@ def _train(
         # adapters would then receive too.
         fp8_comm = fp8_comm and not job.lora.enabled
         apply_tp(model, plan.family, mesh["tp"], float8_collectives=fp8_comm)
+    # Expert parallel, like tensor parallel, on the model on meta before AC and FSDP: the
+    # experts split over groups of ep ranks inside dp_shard, on a mesh of their own.
+    experts = None
+    if plan.ep > 1:
+        expert_mesh = build_expert_mesh(device, plan.dp_replicate, plan.dp_shard, plan.ep)
+        experts = apply_ep(model, plan.family, expert_mesh)
     # Fine-tuning: LoRA after tensor parallel (its adapters take their placements from the
     # split base weights) and after float8 (a float8 base keeps its float8 matmul, and the
     # adapters are never converted); both before FSDP, which keeps frozen and trainable
@@ -221,7 +229,7 @@ def _train(
         apply_compile(model, plan.family.fsdp_units(model), job.compile)
     # At tp > 1 loss parallel (loss_context) keeps the logits split instead: no compiled loss.
     loss_fn = compile_loss(cross_entropy_sum, job.compile) if plan.tp == 1 else cross_entropy_sum
-    apply_fsdp(model, plan.family.fsdp_units(model), dp_mesh(mesh), job.parallel)
+    apply_fsdp(model, plan.family.fsdp_units(model), dp_mesh(mesh), job.parallel, experts)
     model.to_empty(device=device)
     if job.checkpoint.init_from_hf and plan.resume is None:
         mapping = get_hf_mapping(job.model.name)  # checked by check_config
@@ -292,6 +300,8 @@ def _train(
     )
     keep_gathered = plan.grad_accum_steps > 1 and not any(resharded)
     stopping = False
+    moe = moe_family(plan.family)  # None for a dense family: no aux loss, no expert load
+    expert_load = None  # MoE: tokens per expert since the last log line (layers, experts)
 
     for step in range(progress.step + 1, t.steps + 1):
         # All micro-batches up front: their target count fixes the loss normalization.
@@ -305,6 +315,7 @@ def _train(
         # One step (by default none) under torch.profiler: see metrics.profile_step.
         with profile_step(job.metrics, step, run_dir, env.rank):
             loss_sum = torch.zeros((), device=device)
+            moe_sums = []  # MoE: this rank's aux loss and expert load over the step
             for i, batch in enumerate(micro_batches):
                 last = i == plan.grad_accum_steps - 1
                 # Reduce-scatter (and the HSDP all-reduce) only after the last micro-batch;
@@ -320,16 +331,34 @@ def _train(
                     # mean, so scale by dp_size to turn that average into the sum we want. Each
                     # of the tp ranks of a dp rank counted the same targets into global_tokens:
                     # x tp undoes it.
-                    (loss * dp_size * plan.tp).backward()
+                    objective = loss * dp_size * plan.tp
+                    if moe is not None:
+                        # The MoE aux loss is summed over this micro-batch's sequences: divided
+                        # by the step's sequences, it is a global mean like the loss (on any
+                        # mesh and micro-batching, model/__init__.py). Every tp rank computes
+                        # the same value, with the same gradients: no x tp.
+                        aux = moe.aux_loss(model) / t.global_batch_size
+                        objective = objective + aux * dp_size
+                        moe_sums.append(
+                            torch.cat([aux.detach()[None], moe.expert_load(model).flatten()])
+                        )
+                    objective.backward()
                 loss_sum += loss.detach()
 
             grad_norm = clip_grad_norm(model, t.max_grad_norm)
             # The stop flag rides on the loss all-reduce: every rank stops after the same step,
-            # also one that the signal did not reach, and no extra collective is needed.
+            # also one that the signal did not reach, and no extra collective is needed; so do
+            # an MoE's aux loss and expert load.
             summed = torch.stack([loss_sum, torch.tensor(float(stop.requested), device=device)])
+            if moe_sums:
+                summed = torch.cat([summed, torch.stack(moe_sums).sum(0)])
             dist.all_reduce(summed)
             loss_value, grad_norm_value = summed[0].item(), grad_norm.item()
             stopping = summed[1].item() > 0
+            if moe_sums:  # every tp rank added the same values
+                aux_value = summed[2].item() / plan.tp
+                load = summed[3:].view(-1, moe.expert_load(model).shape[-1]) / plan.tp
+                expert_load = load if expert_load is None else expert_load + load
             if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
                 optimizer.step()
                 precompute_float8_scales(model, job.fp8)  # no-op unless fp8 tensorwise
@@ -362,6 +391,9 @@ def _train(
 
         if step % job.metrics.log_interval == 0 or step == t.steps:
             scalars = {"loss/train": loss_value, "lr": lr, "grad_norm": grad_norm_value}
+            if expert_load is not None:  # MoE: this step's aux loss, the load since last time
+                scalars |= {"loss/aux": aux_value} | expert_load_scalars(expert_load)
+                expert_load = None
             eta = (time.perf_counter() - started) / len(losses) * (t.steps - step)
             scalars |= source_scalars | meter.summary() | memory_stats(device)
             metrics.log(step, scalars, eta_s=eta)
@@ -404,13 +436,21 @@ def _train(
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip by the true global norm: the norm of DTensor gradients reduces over all shards
     (and is the same on every replica), unlike a norm of the local shard. Frozen parameters
-    have no gradient: the norm is over the trainable ones."""
+    have no gradient: the norm is over the trainable ones. Gradients on different meshes (the
+    experts under expert parallel) are reduced per mesh, then combined."""
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    if hasattr(norm, "full_tensor"):  # a DTensor: materialize the reduced value
-        norm = norm.full_tensor()
+    by_mesh: dict[object, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = []
+    for group in list(by_mesh.values()) or [[]]:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        # A DTensor: materialize the reduced value.
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in by_mesh.values():  # one foreach kernel per mesh, as for the norm
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from configs import ConfigError
-from model import HFMapping, canonical_name
+from model import HFMapping, canonical_name, hf_split_names
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -38,6 +38,25 @@ def to_hf_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Reorder rows from the adjacent-pair RoPE layout to HF's half-split one, inside each head
     of `head_dim` rows (a family's mapping says which weights need it)."""
     return weight.unflatten(0, (-1, head_dim // 2, 2)).transpose(1, 2).reshape(weight.shape)
+
+
+def hf_tensors(
+    model: nn.Module, mapping: HFMapping, exclude: Collection[str] = ()
+) -> dict[str, tuple[str, torch.Tensor, int | None]]:
+    """HF tensor name -> (our parameter name, the parameter, the row of dim 0 that tensor is,
+    or None for all of it), for the parameters whose canonical names are not in `exclude`. A
+    parameter the mapping splits (stacked experts, one HF tensor per expert:
+    `model.hf_split_names`) gives one entry per row. A tied weight is listed once."""
+    tensors: dict[str, tuple[str, torch.Tensor, int | None]] = {}
+    for name, param in model.named_parameters():
+        if canonical_name(name) in exclude:
+            continue
+        rows = hf_split_names(mapping, name, model.args)
+        if rows is None:
+            tensors[mapping.hf_name(name)] = (name, param, None)
+        else:
+            tensors |= {key: (name, param, row) for row, key in enumerate(rows)}
+    return tensors
 
 
 def read_hf_config(mapping: HFMapping, hf_dir: str | Path) -> Any:
@@ -94,12 +113,13 @@ def save_hf_weights(
     # named_parameters() lists a tied weight once, under tok_embeddings: no lm_head.weight.
     shards: list[dict[str, tuple[str, torch.Tensor]]] = [{}]
     shard_bytes = total_bytes = 0
-    for name, param in model.named_parameters():
-        nbytes = param.numel() * dtype.itemsize
+    for key, (name, param, row) in hf_tensors(model, mapping).items():
+        tensor = param if row is None else param[row]
+        nbytes = tensor.numel() * dtype.itemsize
         if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
             shards.append({})
             shard_bytes = 0
-        shards[-1][mapping.hf_name(name)] = (name, param)
+        shards[-1][key] = (name, tensor)
         shard_bytes += nbytes
         total_bytes += nbytes
     n = len(shards)
@@ -162,14 +182,19 @@ def local_ranges(param: torch.Tensor) -> list[tuple[int, int]] | None:
     coordinate = param.device_mesh.get_coordinate()
     if coordinate is None:
         return None
+    if any(type(p) is not Shard and not isinstance(p, Replicate) for p in param.placements):
+        # FSDP's shard of an expert-parallel (or TP) shard along the same dim, a strided
+        # placement: DTensor's own chunk of it, the one DCP saves by, is still one block.
+        chunks = param.__create_chunk_list__()
+        if len(chunks) != 1:
+            raise NotImplementedError(f"loading HF weights into {param.placements}")
+        return [(o, o + n) for o, n in zip(chunks[0].offsets, chunks[0].sizes, strict=True)]
     for mesh_dim, placement in enumerate(param.placements):
         if type(placement) is Shard:  # exactly Shard: its subclasses (strided) split differently
             start, end = ranges[placement.dim]
             chunk = math.ceil((end - start) / param.device_mesh.size(mesh_dim))
             lo = min(start + coordinate[mesh_dim] * chunk, end)
             ranges[placement.dim] = (lo, min(lo + chunk, end))
-        elif not isinstance(placement, Replicate):
-            raise NotImplementedError(f"loading HF weights into {placement} is not supported")
     local_shape = tuple(end - start for start, end in ranges)
     if local_shape != tuple(param.to_local().shape):  # DTensor changed its chunking rule
         raise RuntimeError(
@@ -199,17 +224,17 @@ def _read(tensor_slice, ranges: list[tuple[int, int]], head_dim: int | None) -> 
     return torch.cat(blocks)
 
 
-def _check_tensors(
-    hf_dir: Path, params: dict[str, tuple[str, torch.Tensor]], slices: dict, unexpected: set[str]
-) -> None:
-    """One ConfigError naming every missing, mis-shaped and unexpected tensor."""
-    problems = [
-        f"missing {key} {list(p.shape)}" for key, (_, p) in params.items() if key not in slices
-    ]
+def _check_tensors(hf_dir: Path, tensors: dict, slices: dict, unexpected: set[str]) -> None:
+    """One ConfigError naming every missing, mis-shaped and unexpected tensor (`tensors`:
+    `hf_tensors` of the model)."""
+    shapes = {
+        key: list(p.shape if row is None else p.shape[1:]) for key, (_, p, row) in tensors.items()
+    }
+    problems = [f"missing {key} {shape}" for key, shape in shapes.items() if key not in slices]
     problems += [
-        f"{key} has shape {list(sl.get_shape())}, model expects {list(params[key][1].shape)}"
+        f"{key} has shape {list(sl.get_shape())}, model expects {shapes[key]}"
         for key, sl in slices.items()
-        if list(sl.get_shape()) != list(params[key][1].shape)
+        if list(sl.get_shape()) != shapes[key]
     ]
     # Some older exports store the RoPE table; it is a function of the config, not a weight.
     extra = sorted(k for k in unexpected if not k.endswith("rotary_emb.inv_freq"))
@@ -244,23 +269,25 @@ def load_hf_weights(
     files = _weight_files(hf_dir)
     # named_parameters() lists a tied weight once (tok_embeddings), so a tied model expects no
     # lm_head.weight, and one in the files is reported: it would be a different model.
-    params = {
-        mapping.hf_name(n): (n, p)
-        for n, p in model.named_parameters()
-        if canonical_name(n) not in exclude
-    }
+    tensors = hf_tensors(model, mapping, exclude)
     with ExitStack() as stack:
         handles = {
             file: stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             for file in set(files.values())
         }
-        slices = {key: handles[files[key]].get_slice(key) for key in params if key in files}
-        _check_tensors(hf_dir, params, slices, set(files) - set(params))
-        for key, (name, param) in params.items():
+        slices = {key: handles[files[key]].get_slice(key) for key in tensors if key in files}
+        _check_tensors(hf_dir, tensors, slices, set(files) - set(tensors))
+        for name, param in model.named_parameters():
             ranges = local_ranges(param)
-            if ranges is None:
+            if ranges is None or canonical_name(name) in exclude:
                 continue
-            value = _read(slices[key], ranges, mapping.rotated_head_dim(name, model.args))
             local = param.to_local() if isinstance(param, DTensor) else param
-            local.copy_(value)
+            if (rows := hf_split_names(mapping, name, model.args)) is None:
+                head_dim = mapping.rotated_head_dim(name, model.args)
+                local.copy_(_read(slices[mapping.hf_name(name)], ranges, head_dim))
+            elif local.numel() > 0:  # one HF tensor per row: read this shard's rows
+                (lo, hi), inner = ranges[0], ranges[1:]
+                local.copy_(
+                    torch.stack([_read(slices[rows[i]], inner, None) for i in range(lo, hi)])
+                )
     model.init_buffers(rope_len or model.args.max_seq_len)

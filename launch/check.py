@@ -38,6 +38,7 @@ from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
 from model import ModelConfig, ModelFamily, get_family, get_hf_mapping
 from parallel.dims import LaunchEnv, resolve_dims
+from parallel.ep import check_ep
 from parallel.float8 import check_float8, unmatched_skips
 from parallel.freeze import apply_freeze
 from parallel.lora import LoRAConfig, apply_lora
@@ -66,6 +67,8 @@ class Plan:
     """Settings that differ from the resumed checkpoint's, applied: "optim.lr: 0.0003 -> 0.001"."""
     tp: int = 1
     """Tensor-parallel degree (parallel/tp.py); the data-parallel ranks are the world / tp."""
+    ep: int = 1
+    """Expert-parallel degree (parallel/ep.py): groups of ep ranks inside dp_shard."""
     sources: tuple[DataSource, ...] = ()
     """The training sources (data.path, or the data.sources mixture), sorted by name."""
 
@@ -77,6 +80,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     args = family.build_args(job.model)
     dp_replicate, dp_shard = resolve_dims(job.parallel, env)
     check_tp(family, args, job.parallel.tp, job.model.name)
+    check_ep(family, args, job.parallel, dp_shard, job.compile.enabled, job.model.name)
     dp = dp_replicate * dp_shard
     t = job.train
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:
@@ -140,7 +144,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     dataset = sources[0].index if sources else None
     return Plan(
         family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes),
-        tp=job.parallel.tp, sources=sources,
+        tp=job.parallel.tp, ep=job.parallel.ep, sources=sources,
     )  # fmt: skip
 
 
@@ -251,6 +255,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         job.parallel.cpu_offload,
         compiled_loss=job.compile.enabled and job.compile.loss and job.parallel.tp == 1,
         tp=plan.tp,
+        ep=plan.ep,
     )
     comm = plan_communication(
         shape,
@@ -265,11 +270,13 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         tokens=job.train.micro_batch_size * job.data.seq_len,
         ac_mode=job.ac.mode,
         ac_every=job.ac.every,
+        ep=plan.ep,
     )
     print(config_to_toml(job))
     print(
         f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard}"
         + (f" x tp={plan.tp}" if plan.tp > 1 else "")
+        + (f" (ep={plan.ep} inside dp_shard)" if plan.ep > 1 else "")
         + " "
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
@@ -281,6 +288,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         print(f"# resume: {plan.resume.path} (step {plan.resume.step})")
     mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
     mesh += f" TP{plan.tp}" if plan.tp > 1 else ""
+    mesh += f" EP{plan.ep}" if plan.ep > 1 else ""
     print("\n".join(f"# {line}" for line in format_plan({mesh: (mem, comm)})))
 
 

@@ -2,9 +2,11 @@
 
     python -m launch.plan --model 8B --nodes 16 --gpus-per-node 8 --seq-len 8192 --ac full
     python -m launch.plan --model 70B --nodes 2 --lora-rank 16      # a LoRA fine-tune
+    python -m launch.plan --family qwen3_moe --model 30B-A3B --nodes 2 --ep 8 --ac full
 
-Prints, for FSDP (dp_shard = all GPUs), HSDP (dp_shard = GPUs per node) and FSDP with tensor
-parallel inside each node side by side, the per-GPU memory and the bytes each GPU sends per
+Prints, for FSDP (dp_shard = all GPUs), HSDP (dp_shard = GPUs per node), FSDP with tensor
+parallel inside each node and (a mixture of experts) FSDP with expert parallel inside each node
+side by side, the per-GPU memory and the bytes each GPU sends per
 optimizer step on each mesh dimension, which plan fits in `--gpu-mem` and which communicates
 faster with the given bandwidths. `train.py --dry-run` prints the same table for the configured
 run. The formulas, and how they follow this trainer, are in parallel/plan.py.
@@ -24,10 +26,12 @@ def comm_seconds(
     comm: dict[str, dict[str, float]], shard_bw: float, replicate_bw: float, tp_bw: float = 1.0
 ) -> float:
     """Communication time if nothing overlaps, bandwidths in bytes/s per GPU (tp_bw: inside
-    a node, where tensor parallel always stays)."""
+    a node, where tensor parallel and expert parallel's all-to-alls stay; the experts'
+    expert_shard group spans the nodes like dp_shard)."""
     shard = sum(comm["dp_shard"].values()) / shard_bw
-    tp = sum(comm.get("tp", {}).values()) / tp_bw
-    return shard + sum(comm["dp_replicate"].values()) / replicate_bw + tp
+    shard += sum(comm.get("expert_shard", {}).values()) / shard_bw
+    inside = sum(comm.get("tp", {}).values()) + sum(comm.get("ep", {}).values())
+    return shard + sum(comm["dp_replicate"].values()) / replicate_bw + inside / tp_bw
 
 
 def _size(nbytes: float) -> str:
@@ -39,12 +43,14 @@ def format_plan(
     columns: dict[str, tuple[dict[str, float], dict[str, dict[str, float]]]],
 ) -> list[str]:
     """Rows of a table with one column per mesh: memory per GPU, then bytes sent per step."""
-    lines = [f"{'per GPU':<35}" + "".join(f"{name:>22}" for name in columns)]
+    # Expert parallel's rows have the longest names: the label column widens when they show.
+    width = 38 if any("ep" in comm for _, comm in columns.values()) else 33
+    lines = [f"{'per GPU':<{width + 2}}" + "".join(f"{name:>22}" for name in columns)]
     memories = [mem for mem, _ in columns.values()]
     for key in memories[0]:
-        lines.append(f"  memory: {key:<25}" + "".join(_size(m[key]) for m in memories))
+        lines.append(f"  {'memory: ' + key:<{width}}" + "".join(_size(m[key]) for m in memories))
     totals = "".join(_size(sum(m.values())) for m in memories)
-    lines.append(f"  {'estimated memory per rank':<33}" + totals)
+    lines.append(f"  {'estimated memory per rank':<{width}}" + totals)
     for dim, coll in (
         ("dp_shard", "all_gather"),
         ("dp_shard", "reduce_scatter"),
@@ -52,9 +58,14 @@ def format_plan(
         ("tp", "all_gather"),
         ("tp", "reduce_scatter"),
         ("tp", "all_reduce"),
+        ("expert_shard", "all_gather"),
+        ("expert_shard", "reduce_scatter"),
+        ("ep", "all_to_all"),
     ):
+        if not any(dim in comm for _, comm in columns.values()):
+            continue  # expert parallel's rows, for a column that has it
         row = "".join(_size(comm.get(dim, {}).get(coll, 0)) for _, comm in columns.values())
-        lines.append(f"  {f'sent/step: {dim} {coll}':<33}" + row)
+        lines.append(f"  {f'sent/step: {dim} {coll}':<{width}}" + row)
     return lines
 
 
@@ -77,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter-bw", type=float, default=50, help="GB/s per GPU across nodes")
     p.add_argument("--gpu-mem", type=float, default=80, help="GB per GPU")
     p.add_argument("--tp", type=int, nargs="*", default=[8], help="TP degrees to compare")
+    p.add_argument("--ep", type=int, nargs="*", default=[], help="EP degrees to compare "
+                   "(mixture of experts: FSDP over all GPUs, EP inside a node)")  # fmt: skip
     p.add_argument("--freeze", nargs="*", default=[], help="train.freeze patterns")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on lora.targets' "
                    "default layers (0: no LoRA)")  # fmt: skip
@@ -87,23 +100,28 @@ def main(argv: list[str] | None = None) -> int:
     shape = model_shape(family, args, Float8Config(enabled=a.fp8), lora, a.freeze)
     world = a.nodes * a.gpus_per_node
     meshes = {
-        f"FSDP 1x{world}": (1, world, 1),
-        f"HSDP {a.nodes}x{a.gpus_per_node}": (a.nodes, a.gpus_per_node, 1),
+        f"FSDP 1x{world}": (1, world, 1, 1),
+        f"HSDP {a.nodes}x{a.gpus_per_node}": (a.nodes, a.gpus_per_node, 1, 1),
     }
     # Tensor parallel inside a node, FSDP over the rest (one shard group per node's tp slice
     # spans all nodes: the model state shards over nodes x gpus / tp).
     for tp in a.tp:
         if tp > 1 and a.gpus_per_node % tp == 0:
-            meshes[f"FSDP 1x{world // tp} TP{tp}"] = (1, world // tp, tp)
+            meshes[f"FSDP 1x{world // tp} TP{tp}"] = (1, world // tp, tp, 1)
+    # Expert parallel: groups of ep GPUs of one node inside FSDP over all of them.
+    for ep in a.ep if shape.top_k else []:
+        if ep > 1 and a.gpus_per_node % ep == 0 and shape.n_experts % ep == 0:
+            meshes[f"FSDP 1x{world} EP{ep}"] = (1, world, 1, ep)
     columns, seconds = {}, {}
-    for name, (rep, shard, tp) in meshes.items():
+    for name, (rep, shard, tp, ep) in meshes.items():
         mem = plan_memory(
-            shape, shard, a.batch, a.seq_len, a.param_dtype, a.ac, a.ac_every, a.reshard, tp=tp
-        )
+            shape, shard, a.batch, a.seq_len, a.param_dtype, a.ac, a.ac_every, a.reshard, tp=tp,
+            ep=ep,
+        )  # fmt: skip
         # The same global batch: tp ranks share their sequences, so tp x the accumulation.
         comm = plan_communication(
             shape, rep, shard, a.param_dtype, a.reduce_dtype, a.reshard, a.grad_accum * tp,
-            tp=tp, tokens=a.batch * a.seq_len, ac_mode=a.ac, ac_every=a.ac_every,
+            tp=tp, tokens=a.batch * a.seq_len, ac_mode=a.ac, ac_every=a.ac_every, ep=ep,
         )  # fmt: skip
         columns[name] = (mem, comm)
         # A shard group within one node talks over NVLink; spanning nodes, the slow link rules.
@@ -111,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         seconds[name] = comm_seconds(comm, shard_bw * 1e9, a.inter_bw * 1e9, a.intra_bw * 1e9)
     n_params, n_trained = shape.numel(), shape.numel(trainable_only=True)
     trains = f", {n_trained / 1e9:.3f}B trainable" if n_trained < n_params else ""
+    if shape.top_k:
+        trains += f", {shape.active_numel() / 1e9:.2f}B active per token"
     print(f"{a.family} {a.model} ({n_params / 1e9:.2f}B parameters{trains}) on {a.nodes} x "
           f"{a.gpus_per_node}")  # fmt: skip
     print("\n".join(format_plan(columns)))

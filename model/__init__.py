@@ -1,6 +1,7 @@
 """Model families, and the one contract between a family and the trainer.
 
-A *family* is a module of this package (`model/llama.py`, `model/qwen3.py`) that provides what
+A *family* is a module of this package (`model/llama.py`, `model/qwen3.py`,
+`model/qwen3_moe.py`) that provides what
 `ModelFamily` below lists. The trainer finds it by `--model.name` through `FAMILIES`, a plain
 dict at the end of this file: a reader can jump from the name to the module. Its Hugging Face
 mapping, if it has one, is a module of its own (`model/llama_hf.py`), named beside it in
@@ -51,7 +52,37 @@ What the trainer may assume, and nothing more:
   be covered. With tp > 1 the attention sees n_heads / tp local heads, so it must size its
   reshapes from the tensor (`view(b, s, -1, head_dim)`), never from `n_heads`. A
   "gather_input" module takes its inputs positionally, all of them on every call (the RoPE
-  rows and the mask follow the activations untouched).
+  rows and the mask follow the activations untouched). A "replicate" module runs whole on every
+  tp rank (an MoE layer: routing needs whole tokens): its weights are replicated DTensors and
+  it computes with their local tensors (`model.moe.local`).
+
+A **mixture-of-experts** family (`MoEFamily`; `moe_family(family)` says whether one is) also
+provides, and the trainer and `parallel/` may assume:
+
+- **The auxiliary loss reaches the trainer through the model**, not through `forward`'s result
+  (which stays the logits, so everything that reads logits is unchanged): each block returns its
+  MoE layer's terms as extra outputs (compile, AC and FSDP see plain tensors; no collective and
+  no state inside a block) and the model's forward keeps their total until the next forward.
+  `aux_loss(model)` is that total for the last forward: the load-balance loss and the router
+  z-loss, coefficients (`args.aux_loss_coef`, `args.router_z_loss_coef`) applied, each
+  computed **per sequence**, averaged over the MoE layers and **summed over the micro-batch's
+  sequences**. The trainer adds `aux_loss / (sequences in the step over all ranks)` to the main
+  loss (summed over target tokens / targets in the step over all ranks). A sequence is never
+  split across ranks or micro-batches, so both are the same for any mesh and micro-batching;
+  a loss balanced over each rank's batch would not be. Every tp rank computes the same aux.
+- `expert_load(model)`: tokens routed to each expert by the last forward, (MoE layers,
+  experts) float32, detached: the trainer sums it over the step's micro-batches and ranks
+  and logs the load per layer (launch/metrics.py).
+- `expert_modules(model)`: each MoE layer's experts module (`model.moe.GroupedExperts`), inside
+  its block: stacked weights with the expert as dim 0, computed with their local tensors
+  (`model.moe.local`), and `forward(rows sorted by expert, counts per expert)`. Without
+  expert parallel they belong to their block's FSDP unit. Expert parallel (parallel/ep.py)
+  splits these weights over experts, makes the module an FSDP unit of its own and wraps its
+  forward (all-to-all before and after); the model must not read the weights elsewhere.
+- Its args have `n_experts`, `top_k` and `moe_ffn_dim` (`MoEArgs`); `flops_per_token` counts
+  the *active* parameters (top_k of n_experts experts, plus every dense one), and
+  `fp8_linears` leaves out the router and the experts (they are no nn.Linear; float8 grouped
+  GEMMs are untested here).
 """
 
 from __future__ import annotations
@@ -75,6 +106,7 @@ TPStyle = Literal[
     "embedding",  # nn.Embedding: vocabulary rows split; output split along the sequence
     "sequence",  # a norm over the hidden dim, run on this rank's part of the sequence
     "gather_input",  # a module whose first input is gathered whole from sequence shards
+    "replicate",  # a module run whole on every tp rank: first input gathered, output split
     "colwise",  # nn.Linear with output features split (q, k, v, w1, w3): whole heads per rank
     "rowwise",  # nn.Linear with input features split (wo, w2): sums land as sequence shards
     "per_head",  # a norm over head_dim of (batch, seq, heads, head_dim): this rank's heads
@@ -88,7 +120,7 @@ class ModelConfig:
     A family accepts the fields its args have; setting another is a config error."""
 
     name: str = "llama3"
-    """Model family: a key of model.FAMILIES ('llama3', 'qwen3')."""
+    """Model family: a key of model.FAMILIES ('llama3', 'qwen3', 'qwen3_moe')."""
     flavor: str = "debug"
     """Named shape of the family (e.g. llama3: debug, 1B, 3B, 8B, 70B, 405B)."""
     dim: int | None = None
@@ -117,6 +149,18 @@ class ModelConfig:
     """Share the input embedding and output projection (default: the flavor's)."""
     norm_eps: float | None = None
     """RMSNorm epsilon (default: the flavor's)."""
+    n_experts: int | None = None
+    """qwen3_moe: experts per MoE layer (HF's num_experts)."""
+    top_k: int | None = None
+    """qwen3_moe: experts each token is routed to (HF's num_experts_per_tok)."""
+    moe_ffn_dim: int | None = None
+    """qwen3_moe: hidden size of one expert's SwiGLU (HF's moe_intermediate_size)."""
+    norm_topk_prob: bool | None = None
+    """qwen3_moe: renormalize the top_k routing probabilities to sum to 1."""
+    aux_loss_coef: float | None = None
+    """qwen3_moe: weight of the per-sequence load-balancing loss (0 = off; top_k at balance)."""
+    router_z_loss_coef: float | None = None
+    """qwen3_moe: weight of the router z-loss, mean logsumexp(router logits)^2 (0 = off)."""
     attention: AttentionImpl | None = None
     """'sdpa' (default): F.scaled_dot_product_attention, the right choice on GPUs and in fp32.
     'chunked': model/attention.py, the same math in blocks of batched matmuls, for bf16 on CPU,
@@ -187,6 +231,14 @@ class ModelArgs(Protocol):
     def head_dim(self) -> int: ...
 
 
+class MoEArgs(ModelArgs, Protocol):
+    """Fields a mixture-of-experts family's args add (the planner reads them)."""
+
+    n_experts: int
+    top_k: int
+    moe_ffn_dim: int
+
+
 class TrainableModel(Protocol):
     args: Any
 
@@ -207,7 +259,13 @@ class TrainableModel(Protocol):
 
 
 class HFMapping(Protocol):
-    """How a family's checkpoint maps to a Hugging Face `transformers` model and back."""
+    """How a family's checkpoint maps to a Hugging Face `transformers` model and back.
+
+    Optionally also `split_names(name, args) -> list[str] | None`: for a parameter that HF files
+    hold as one tensor per row of dim 0 (stacked experts: Qwen3-MoE's
+    `mlp.experts.{e}.gate_proj.weight`), their names in row order; None for the others. Read
+    it through `hf_split_names`; a mapping without it keeps every tensor whole.
+    """
 
     def hf_name(self, name: str) -> str:
         """HF tensor name of one of our (canonical) parameter names."""
@@ -228,6 +286,13 @@ class HFMapping(Protocol):
         """'field ours vs theirs' for every setting where two args differ."""
 
 
+def hf_split_names(mapping: HFMapping, name: str, args: Any) -> list[str] | None:
+    """The HF tensors holding the rows of parameter `name`, if the mapping splits it (see
+    `HFMapping`); None when HF holds it whole, as `mapping.hf_name(name)`."""
+    split = getattr(mapping, "split_names", None)
+    return None if split is None else split(name, args)
+
+
 class ModelFamily(Protocol):
     """What a family module provides (a module satisfies a Protocol structurally)."""
 
@@ -246,18 +311,35 @@ class ModelFamily(Protocol):
     TP_PLAN: dict[str, TPStyle] | None
 
 
+class MoEFamily(ModelFamily, Protocol):
+    """What a mixture-of-experts family provides on top (see the module docstring)."""
+
+    def aux_loss(self, model: nn.Module) -> torch.Tensor: ...
+
+    def expert_load(self, model: nn.Module) -> torch.Tensor: ...
+
+    def expert_modules(self, model: nn.Module) -> list[nn.Module]: ...
+
+
+def moe_family(family: ModelFamily) -> MoEFamily | None:
+    """`family` as a mixture-of-experts family, or None for a dense one."""
+    return family if hasattr(family, "aux_loss") else None  # type: ignore[return-value]
+
+
 # The families, by --model.name, and their Hugging Face mappings. Adding one: its module(s) in
 # model/ and one line in each dict (none in HF_MAPPINGS for a family without a mapping).
-from model import llama, llama_hf, qwen3, qwen3_hf  # noqa: E402  (after the contract they import)
+from model import llama, llama_hf, qwen3, qwen3_hf, qwen3_moe, qwen3_moe_hf  # noqa: E402, I001
 
 FAMILIES: dict[str, ModelFamily] = {
     "llama3": llama,
     "qwen3": qwen3,
+    "qwen3_moe": qwen3_moe,
 }
 
 HF_MAPPINGS: dict[str, HFMapping] = {
     "llama3": llama_hf,
     "qwen3": qwen3_hf,
+    "qwen3_moe": qwen3_moe_hf,
 }
 
 

@@ -53,12 +53,13 @@ class ActivationCheckpointConfig:
 
 
 def _saved_ops() -> set[Any]:
-    """Ops whose outputs op-level AC keeps: the matmuls, every SDPA kernel (CPU, CUDA) and
-    FlexAttention."""
+    """Ops whose outputs op-level AC keeps: the matmuls (grouped ones included), every SDPA
+    kernel (CPU, CUDA) and FlexAttention."""
     aten = torch.ops.aten
     names = [
         "mm",
         "addmm",
+        "_grouped_mm",
         "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
@@ -69,6 +70,9 @@ def _saved_ops() -> set[Any]:
     # FlexAttention (document masking on GPUs) is a higher-order op, not an aten one.
     if hasattr(torch.ops.higher_order, "flex_attention"):
         ops.add(torch.ops.higher_order.flex_attention)
+    # The MoE experts' grouped GEMM, a custom op of model/moe.py (registered with `model`).
+    if hasattr(torch.ops.fsdp2_trainer, "grouped_linear"):
+        ops.add(torch.ops.fsdp2_trainer.grouped_linear.default)
     return ops
 
 

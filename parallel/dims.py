@@ -26,6 +26,9 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree (with sequence parallel), the innermost mesh dimension: must
     divide the ranks per node, since its collectives run in every layer (fast links only)."""
+    ep: int = 1
+    """Expert-parallel degree (mixture-of-experts families): the experts are split over groups
+    of ep consecutive dp_shard ranks, tokens sent to them by all-to-all (parallel/ep.py)."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """'always' frees gathered parameters after forward (ZeRO-3, least memory); 'never' keeps
     them until backward (ZeRO-2 style, one all-gather fewer per block); 'default' frees them
@@ -59,8 +62,9 @@ class ParallelConfig:
                 f"parallel: dp_replicate={self.dp_replicate} and dp_shard={self.dp_shard} must "
                 "be >= 1, or -1 ('the remaining ranks') for at most one of them"
             )
-        if self.tp < 1:
-            raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
+        for name in ("tp", "ep"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.forward_prefetch < 0 or self.backward_prefetch < 0 or self.timeout_s < 1:
             raise ConfigError("parallel: prefetch depths must be >= 0 and timeout_s >= 1")
 

@@ -17,9 +17,11 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from parallel.dims import ParallelConfig
+from parallel.workarounds import set_gradient_divide_factor
 
 if TYPE_CHECKING:
     from model.random_init import Draw
+    from parallel.ep import ExpertSharding
 
 Reshard = Literal["default", "always", "never"]
 
@@ -50,12 +52,18 @@ def reshard_plan(
 
 
 def apply_fsdp(
-    model: nn.Module, units: list[nn.Module], mesh: DeviceMesh, cfg: ParallelConfig
+    model: nn.Module,
+    units: list[nn.Module],
+    mesh: DeviceMesh,
+    cfg: ParallelConfig,
+    experts: ExpertSharding | None = None,
 ) -> None:
     """Shard `model` in place: each of `units` is one FSDP unit, the rest go to the root.
 
     `mesh` is 1D for FSDP (parameters Shard(0)) or 2D (dp_replicate, dp_shard) for HSDP
     (parameters (Replicate(), Shard(0)): sharded within a replica, all-reduced across them).
+    `experts` (expert parallel, parallel/ep.py): each expert module first becomes an FSDP unit
+    of its own on the data-parallel ranks EP leaves, inside its block's unit.
     """
     mp_policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]
@@ -66,6 +74,20 @@ def apply_fsdp(
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     dp_shard = mesh.size(mesh.ndim - 1)
     reshard = reshard_plan(len(units), cfg.reshard_after_forward, dp_shard, cfg.cpu_offload)
+    for module in experts.modules if experts is not None else []:
+        # Freed after forward when its block is; inner units before outer ones, as the root.
+        block = next(i for i, u in enumerate(units) if any(m is module for m in u.modules()))
+        fully_shard(
+            module,
+            mesh=experts.fsdp_mesh(),
+            mp_policy=mp_policy,
+            offload_policy=offload,
+            reshard_after_forward=reshard[block],
+        )
+        # FSDP divides gradients by the ranks of its mesh; these already sum over the EP group
+        # (the all-to-all brought the group's tokens), so divide by every data-parallel rank,
+        # as for the dense parameters: the trainer's loss scaling then holds for both.
+        set_gradient_divide_factor(module, float(mesh.size()), experts.fsdp_mesh())
     for unit, free in zip([*units, model], reshard, strict=True):
         # The blocks first, the root (embeddings, final norm, output projection) last: FSDP2
         # gives a module the parameters that no unit inside it has claimed.

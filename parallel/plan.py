@@ -36,6 +36,14 @@ real run within 1%):
   all-reduces of a float32 per token). The all-reduces of the replicated norm gains' gradients
   (dim elements each) are left out. Activations divide by tp except the two gathered
   (tokens, dim) block inputs that the split Linears keep.
+- Mixture of experts (a family with `expert_modules`, model/__init__.py; `Unit.expert` marks
+  the stacked expert weights): without expert parallel they are block parameters like the
+  others, sharded over dp_shard along dim 0 (the experts) and all-gathered whole with their
+  block. Activations count the routed copies: top_k per token. Expert parallel (ep > 1,
+  parallel/ep.py) splits them over ep by expert, then FSDP-shards each rank's experts over
+  expert_shard = dp_shard / ep in a unit of their own: gathered and reduce-scattered there
+  (n_experts / ep experts when gathered), all-reduced over dp_replicate with the rest, and
+  four all-to-alls of the routed rows per MoE layer and micro-batch (`_ep_communication`).
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from model import ModelFamily
+from model import ModelFamily, moe_family
 from parallel.float8 import Float8Config, float8_policy
 from parallel.freeze import apply_freeze
 from parallel.fsdp import Reshard, reshard_plan
@@ -69,31 +77,52 @@ class Unit:
     """Which parameters train (train.freeze, LoRA); empty: all of them."""
     backward: bool = True
     """Whether backward runs through this unit (not: frozen, and nothing before it trains)."""
+    expert: tuple[bool, ...] = ()
+    """Which parameters are stacked expert weights (dim 0 = expert); empty: none."""
 
     def numel(self, trainable_only: bool = False) -> int:
         return sum(math.prod(s) for s, t in zip(self.shapes, self._trains(), strict=True)
                    if t or not trainable_only)  # fmt: skip
 
+    def expert_numel(self) -> int:
+        experts = self.expert or (False,) * len(self.shapes)
+        return sum(math.prod(s) for s, e in zip(self.shapes, experts, strict=True) if e)
+
     def _trains(self) -> tuple[bool, ...]:
         return self.trainable or (True,) * len(self.shapes)
 
     def shard_numel(
-        self, shard: int, fp8_only: bool | None = None, tp: int = 1, trainable_only: bool = False
+        self,
+        shard: int,
+        fp8_only: bool | None = None,
+        tp: int = 1,
+        trainable_only: bool = False,
+        ep: int = 1,
+        experts: bool | None = None,
     ) -> int:
         """Elements of this rank's (padded) shard: FSDP2 pads dim 0 to a multiple of shard;
         a weight tensor parallel splits holds 1/tp of them (tp divides those dims).
-        `trainable_only`: of the parameters that train (gradients, optimizer state)."""
+        `trainable_only`: of the parameters that train (gradients, optimizer state). Expert
+        weights under expert parallel: split over ep by expert first, then FSDP pads each
+        rank's experts to a multiple of shard / ep (expert_shard). `experts`: True for the
+        expert weights only, False for the others only."""
         split = self.tp_split or (False,) * len(self.shapes)
-        params = zip(self.shapes, self.float8_gathered, split, self._trains(), strict=True)
-        return sum(
-            math.ceil(s[0] / shard) * math.prod(s[1:]) // (tp if t else 1)
-            for s, f, t, trains in params
-            if (fp8_only is None or f == fp8_only) and (trains or not trainable_only)
-        )
+        expert = self.expert or (False,) * len(self.shapes)
+        params = zip(self.shapes, self.float8_gathered, split, self._trains(), expert, strict=True)
+        total = 0
+        for s, f, t, trains, e in params:
+            if (fp8_only is not None and f != fp8_only) or (trainable_only and not trains):
+                continue
+            if experts is not None and e != experts:
+                continue
+            rows = math.ceil(s[0] // ep / (shard // ep)) if e else math.ceil(s[0] / shard)
+            total += rows * math.prod(s[1:]) // (tp if t else 1)
+        return total
 
-    def tp_numel(self, tp: int) -> int:
-        """Elements of the unit on one tensor-parallel rank (before FSDP)."""
-        return self.shard_numel(1, tp=tp)
+    def tp_numel(self, tp: int, ep: int = 1) -> int:
+        """Elements of the unit on one tensor-parallel rank, gathered (before FSDP); its
+        expert weights hold the rank's n_experts / ep experts."""
+        return self.shard_numel(1, tp=tp, experts=False) + self.shard_numel(ep, ep=ep, experts=True)
 
 
 @dataclass(frozen=True)
@@ -107,6 +136,9 @@ class ModelShape:
     ffn_hidden: int
     n_layers: int
     vocab_size: int
+    top_k: int = 0
+    """Mixture of experts: experts per token (0: a dense model)."""
+    n_experts: int = 0
 
     def numel(self, trainable_only: bool = False) -> int:
         return sum(u.numel(trainable_only) for u in self.units)
@@ -114,6 +146,11 @@ class ModelShape:
     def n_backward_blocks(self) -> int:
         """Blocks that backward runs through (all of them unless the first ones are frozen)."""
         return sum(u.backward for u in self.units[:-1])
+
+    def active_numel(self) -> int:
+        """Parameters one token uses: top_k / n_experts of each expert weight, all the rest."""
+        experts = sum(u.expert_numel() for u in self.units)
+        return self.numel() - experts + (experts * self.top_k // self.n_experts if experts else 0)
 
 
 def model_shape(
@@ -150,19 +187,28 @@ def model_shape(
         for p in m.parameters()
     )  # fmt: skip
 
+    moe = moe_family(family)
+    experts = set()
+    if moe is not None:
+        experts = {id(p) for m in moe.expert_modules(model) for p in m.parameters()}
+
     def unit(params: list[nn.Parameter], backward: bool = True) -> Unit:
         shapes = tuple(tuple(p.shape) for p in params)
         return Unit(shapes, tuple(id(p) in float8 for p in params),
                     tuple(id(p) in split for p in params),
-                    tuple(p.requires_grad for p in params), backward)  # fmt: skip
+                    tuple(p.requires_grad for p in params), backward,
+                    tuple(id(p) in experts for p in params))  # fmt: skip
 
     blocks = []
     for u in units:
         reached = reached or any(p.requires_grad for p in u.parameters())
         blocks.append(unit(list(u.parameters()), reached))
     root = [p for p in model.parameters() if id(p) not in in_unit]
-    # The widest Linear output of a block is its FFN hidden size (SwiGLU's up projections).
-    ffn_hidden = max(m.out_features for m in units[0].modules() if isinstance(m, nn.Linear))
+    if moe is not None:  # one expert's SwiGLU hidden size
+        ffn_hidden, top_k, n_experts = args.moe_ffn_dim, args.top_k, args.n_experts
+    else:  # the widest Linear output of a block is its FFN hidden size (SwiGLU's up projections)
+        ffn_hidden = max(m.out_features for m in units[0].modules() if isinstance(m, nn.Linear))
+        top_k = n_experts = 0
     return ModelShape(
         [*blocks, unit(root)],
         dim=args.dim,
@@ -170,6 +216,8 @@ def model_shape(
         ffn_hidden=ffn_hidden,
         n_layers=len(units),
         vocab_size=args.vocab_size,
+        top_k=top_k,
+        n_experts=n_experts,
     )
 
 
@@ -198,37 +246,81 @@ def plan_communication(
     tokens: int = 0,
     ac_mode: AcMode = "none",
     ac_every: int = 1,
+    ep: int = 1,
 ) -> dict[str, dict[str, float]]:
-    """Bytes each rank sends per optimizer step: {mesh dim: {collective: bytes}}. With tp > 1,
-    `tokens` (micro-batch x seq_len) sizes the activations tensor parallel moves."""
+    """Bytes each rank sends per optimizer step: {mesh dim: {collective: bytes}}. With tp > 1
+    or ep > 1, `tokens` (micro-batch x seq_len) sizes the activations they move. Under expert
+    parallel the expert weights are gathered and reduced over expert_shard (dp_shard / ep)."""
     units = shape.units
-    s, r = dp_shard, dp_replicate
+    s, r, e = dp_shard, dp_replicate, dp_shard // ep
+    pbytes, rbytes = BYTES[param_dtype], BYTES[reduce_dtype]
     resharded = reshard_plan(len(units) - 1, reshard_after_forward, s, cpu_offload)
     # With no unit resharded, the loop keeps them gathered across micro-batches too.
     kept_all_step = not any(resharded)
-    gather = reduce_scatter = all_reduce = 0.0
+    gather = reduce_scatter = all_reduce = expert_gather = expert_reduce = 0.0
     n_blocks = len(units) - 1
     for i, (u, freed) in enumerate(zip(units, resharded, strict=True)):
         # float8-gathered weights cross as 1 byte; norms, embeddings, output in param_dtype
-        gathered = u.shard_numel(s, True, tp) + u.shard_numel(s, False, tp) * BYTES[param_dtype]
+        dense = u.shard_numel(s, True, tp, experts=False)
+        dense += u.shard_numel(s, False, tp, experts=False) * pbytes
+        experts = u.shard_numel(s, tp=tp, ep=ep, experts=True) * pbytes
         # Gathered again in backward: a unit backward runs through, and the block just before
         # the first one it runs through (prefetched by that one; see the module docstring).
+        # Under EP the experts' own unit frees and gathers with its block.
         in_backward = u.backward or (i + 1 < n_blocks and units[i + 1].backward)
         passes = 2 if freed and in_backward else 1
         if not kept_all_step:
             passes *= grad_accum_steps
-        gather += passes * (s - 1) * gathered
+        gather += passes * (s - 1) * dense
+        expert_gather += passes * (e - 1) * experts
         # Frozen parameters have no gradient to reduce.
-        grad_shard = u.shard_numel(s, tp=tp, trainable_only=True) * BYTES[reduce_dtype]
-        reduce_scatter += (s - 1) * grad_shard  # (S-1)/S of the padded full gradient
-        all_reduce += 2 * (r - 1) / r * grad_shard
-    return {
+        dense_grad = u.shard_numel(s, tp=tp, trainable_only=True, experts=False) * rbytes
+        expert_grad = u.shard_numel(s, tp=tp, trainable_only=True, ep=ep, experts=True) * rbytes
+        reduce_scatter += (s - 1) * dense_grad  # (S-1)/S of the padded full gradient
+        expert_reduce += (e - 1) * expert_grad
+        all_reduce += 2 * (r - 1) / r * (dense_grad + expert_grad)
+    comm = {
         "dp_shard": {"all_gather": gather, "reduce_scatter": reduce_scatter},
         "dp_replicate": {"all_reduce": all_reduce},
         "tp": _tp_communication(
             shape, tp, tokens, param_dtype, ac_mode, ac_every, grad_accum_steps
         ),
     }
+    if ep == 1:  # the experts are part of their block's unit
+        comm["dp_shard"]["all_gather"] += expert_gather
+        comm["dp_shard"]["reduce_scatter"] += expert_reduce
+    else:
+        comm["expert_shard"] = {"all_gather": expert_gather, "reduce_scatter": expert_reduce}
+        comm["ep"] = _ep_communication(
+            shape, ep, tokens, param_dtype, ac_mode, ac_every, grad_accum_steps
+        )
+    return comm
+
+
+def _ep_communication(
+    shape: ModelShape,
+    ep: int,
+    tokens: int,
+    param_dtype: str,
+    ac_mode: AcMode,
+    ac_every: int,
+    micro_batches: int,
+) -> dict[str, float]:
+    """Bytes expert parallel's all-to-alls send per rank and step (parallel/ep.py). Per MoE
+    layer and micro-batch: the tokens x top_k routed rows of dim elements go out (dispatch)
+    and come back (combine), and their gradients the same ways in backward; a checkpointed
+    block's recompute (full or selective AC) dispatches and combines again. Each forward also
+    exchanges the int64 row counts per expert. A rank keeps the rows for its own experts:
+    (ep - 1) / ep of each buffer leaves it when the routing is balanced, which is also the
+    mean over the ranks in any case (every row sent is a row received); one rank's own share
+    follows its routing."""
+    n = sum(any(u.expert) for u in shape.units)  # MoE layers
+    recomputed = {"full": n, "selective": math.ceil(n / ac_every)}.get(ac_mode, 0)
+    rows = tokens * shape.top_k * shape.dim * BYTES[param_dtype]
+    counts = shape.n_experts * 8
+    leaving = (ep - 1) / ep
+    per_step = (4 * n + 2 * recomputed) * rows + (n + recomputed) * counts
+    return {"all_to_all": micro_batches * leaving * per_step}
 
 
 def _tp_communication(
@@ -276,10 +368,15 @@ def activation_bytes(
     the matmul and attention outputs (~5·dim + 2·kv_dim + 2·ffn_hidden) and the block input.
     SDPA never materializes the attention matrix. Tensor parallel divides all of it by tp but
     the two block inputs gathered whole for the split Linears (2·dim).
+    A mixture of experts replaces the FFN's part by its routed copies, top_k per token, each
+    with its input and output (2·dim) and the expert's hidden tensors (4·ffn_hidden; op-level
+    AC: 2·ffn_hidden + dim, the grouped GEMM outputs), and the router's ~3·n_experts; every tp
+    rank runs the whole MoE layer, so that part does not divide by tp.
     """
-    d, kv, h = shape.dim, shape.kv_dim, shape.ffn_hidden
+    d, kv, h, k = shape.dim, shape.kv_dim, shape.ffn_hidden, shape.top_k
     gathered = 2 * d * (1 - 1 / tp)
-    full_block = tokens * ((10 * d + 4 * kv + 4 * h) / tp + gathered) * BYTES[param_dtype]
+    ffn, routed = (0, k * (2 * d + 4 * h) + 3 * shape.n_experts) if k else (4 * h, 0)
+    full_block = tokens * ((10 * d + 4 * kv + ffn) / tp + routed + gathered) * BYTES[param_dtype]
     block_input = tokens * d / tp * BYTES[param_dtype]
     n = shape.n_backward_blocks()  # a block backward skips keeps nothing
     if n == 0:
@@ -288,9 +385,9 @@ def activation_bytes(
         return n * full_block
     recomputed = full_block if recompute else 0
     if ac_mode == "op":
-        return n * tokens * ((5 * d + 2 * kv + 2 * h) / tp + gathered) * BYTES[param_dtype] + (
-            recomputed
-        )
+        ffn, routed = (0, k * (2 * h + d) + shape.n_experts) if k else (2 * h, 0)
+        kept = (5 * d + 2 * kv + ffn) / tp + routed + gathered
+        return n * tokens * kept * BYTES[param_dtype] + recomputed
     checkpointed = n if ac_mode == "full" else math.ceil(n / ac_every)
     return checkpointed * block_input + (n - checkpointed) * full_block + recomputed
 
@@ -307,21 +404,23 @@ def plan_memory(
     cpu_offload: bool = False,
     compiled_loss: bool = False,
     tp: int = 1,
+    ep: int = 1,
 ) -> dict[str, float]:
     """Bytes per rank: the sharded fp32 training state, gathered parameters and activations.
 
     Master weights, gradients and AdamW's two moments (plus a 4-byte step per tensor) are
     float32, sharded over dp_shard (HSDP replicas each hold their shard group's state) and,
-    for the weights tensor parallel splits, over tp. Gradients and moments exist only for the
-    parameters that train.
+    for the weights tensor parallel splits, over tp; expert weights under expert parallel
+    over ep x expert_shard, the same ranks. Gradients and moments exist only for the
+    parameters that train. A gathered block holds its n_experts / ep experts.
     """
     units = shape.units
-    shard = sum(u.shard_numel(dp_shard, tp=tp) for u in units)
-    trained = sum(u.shard_numel(dp_shard, tp=tp, trainable_only=True) for u in units)
+    shard = sum(u.shard_numel(dp_shard, tp=tp, ep=ep) for u in units)
+    trained = sum(u.shard_numel(dp_shard, tp=tp, trainable_only=True, ep=ep) for u in units)
     n_tensors = sum(sum(u._trains()) for u in units)
     pbytes = BYTES[param_dtype]
     tokens = micro_batch * seq_len
-    root, block = units[-1].tp_numel(tp), units[0].tp_numel(tp)
+    root, block = units[-1].tp_numel(tp), units[0].tp_numel(tp, ep)
     # The root stays gathered all step; one block computes while the next is prefetched
     # (a block not resharded after forward stays gathered until its backward).
     n_blocks = len(units) - 1

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -89,6 +89,8 @@ def _style(kind: TPStyle, module: nn.Module, float8: bool) -> ParallelStyle:
             desired_input_layouts=(Replicate(), *rest),
             use_local_output=False,
         )
+    if kind == "replicate":  # the whole module on every rank, on the whole sequence
+        return _Replicated()
     if kind == "embedding":  # vocabulary rows split; output reduce-scattered along the sequence
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if kind == "output":  # vocabulary columns split; the logits stay split (loss_context)
@@ -96,6 +98,39 @@ def _style(kind: TPStyle, module: nn.Module, float8: bool) -> ParallelStyle:
             input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
         )
     raise ValueError(f"unknown TP style {kind!r}")
+
+
+class _Replicated(ParallelStyle):
+    """A module run whole on every tp rank, for layers that must see whole tokens and all their
+    weights at once (an MoE layer: each token's routing picks among all experts; splitting the
+    experts is expert parallel's job). Its parameters become replicated DTensors, so FSDP and
+    the gradient norm treat them like every other parameter; the module computes with their
+    local tensors (the model contract: `model.moe.local`). Its first input is all-gathered from
+    sequence shards into a plain tensor, its first output split back along the sequence (a
+    local slice, a plain tensor like "rowwise"'s); further outputs (an MoE layer's aux loss and
+    expert counts) pass through, the same on every tp rank. Backward: one all-gather of the
+    output's gradient; every rank then holds the same full gradients, so the replicated
+    weights' gradients need no reduction.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, None, self._gather, self._split)
+
+    @staticmethod
+    def _gather(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        first = inputs[0]
+        if not isinstance(first, DTensor):  # a plain tensor here is this rank's sequence shard
+            first = DTensor.from_local(first, mesh, [Shard(1)], run_check=False)
+        return (first.redistribute(mesh, [Replicate()]).to_local(), *inputs[1:])
+
+    @staticmethod
+    def _split(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+        whole = outputs[0] if isinstance(outputs, tuple) else outputs
+        split = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
+        # A local tensor, as "rowwise" returns: the residual stream between blocks is this
+        # rank's sequence shard as a plain tensor.
+        split = split.redistribute(mesh, [Shard(1)]).to_local()
+        return (split, *outputs[1:]) if isinstance(outputs, tuple) else split
 
 
 def apply_tp(

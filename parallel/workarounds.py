@@ -2,7 +2,7 @@
 issue, and tests/test_workarounds.py reproduces each bug without its workaround, failing once a
 torch release no longer has it (that is when to delete the workaround).
 
-Both concern tensor parallel with compiled blocks, seen on torch 2.13 (CPU/gloo):
+The first two concern tensor parallel with compiled blocks, seen on torch 2.13 (CPU/gloo):
 
 1. **Embedding output copy.** The TP embedding's reduce-scatter is async: its output is an
    AsyncCollectiveTensor. AOTAutograd waits on such an input of a compiled block and the waited
@@ -16,6 +16,14 @@ Both concern tensor parallel with compiled blocks, seen on torch 2.13 (CPU/gloo)
    tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"). No torch issue was found
    for it; search for that message. Op-level AC compiles fine; so does checkpointing the
    compiled block, which recomputes the same ops and gives the same numbers.
+3. **Gradients divided twice.** An FSDP unit with `set_gradient_divide_factor` (expert
+   parallel's experts) reduces with NCCL's PREMUL_SUM; gloo has none, so on CPU it must also
+   `set_force_sum_reduction_for_comms` (sum, then divide). With a shard group of one rank
+   (HSDP with ep = dp_shard) torch 2.13 then divides by the factor both when it copies the
+   gradient in place of the reduce-scatter and again after the all-reduce
+   (`foreach_reduce`, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py; no torch
+   issue found). Its PREMUL_SUM path divides only in that copy, so a one-rank shard group
+   keeps it: it never reaches gloo.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from model import ModelFamily
 from parallel.tp import _matches
@@ -52,3 +61,12 @@ def _resolved_output(module: nn.Module, args: Any, output: torch.Tensor) -> torc
     tensor with autograd history (`wait()` would detach it). The copy, (batch, seq / tp, dim)
     once per forward, costs no overlap: the first block's norm needs the reduce-scatter at once."""
     return output.clone()
+
+
+def set_gradient_divide_factor(module: nn.Module, factor: float, mesh: DeviceMesh) -> None:
+    """`module.set_gradient_divide_factor(factor)` for an FSDP unit on `mesh` (its shard dim
+    last), summing where there is no PREMUL_SUM except where that divides twice (workaround
+    3)."""
+    module.set_gradient_divide_factor(factor)
+    if mesh.device_type != "cuda" and mesh.size(mesh.ndim - 1) > 1:
+        module.set_force_sum_reduction_for_comms(True)

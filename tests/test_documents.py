@@ -34,7 +34,7 @@ from tests.test_train import FP32, TINY, assert_close, run
 # dataset below; a vocabulary of 260 splits over tp 2.
 EOS, VOCAB, SEQ = 257, 260, 40
 CPU = torch.device("cpu")
-FAMILIES = ("llama3", "qwen3")  # a new family adds itself here (docs/forking.md)
+FAMILIES = ("llama3", "qwen3", "qwen3_moe")  # a new family adds itself here (docs/forking.md)
 DOCUMENT = DataConfig(attention_mask="document")
 POSITIONS = DataConfig(attention_mask="document", document_positions=True)
 

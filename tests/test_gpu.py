@@ -35,6 +35,21 @@ def test_trains_on_one_gpu_with_nccl_in_bf16(tiny_dataset: str, tmp_path: Path) 
 
 
 @needs_gpu
+def test_moe_trains_on_one_gpu_with_grouped_gemm_in_bf16(tiny_dataset: str, tmp_path: Path) -> None:
+    """The experts' torch._grouped_mm on CUDA (bf16), eager and in compiled blocks."""
+    from tests.test_moe_trainer import MOE
+
+    argv = [
+        f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY, *MOE,
+        "--parallel.device=cuda", "--parallel.param_dtype=bfloat16", "--train.steps=8",
+        "--train.micro_batch_size=8",
+    ]  # fmt: skip
+    for name, extra in (("eager", []), ("compiled", ["--compile.enabled"])):
+        losses = run_distributed(train_losses, 1, [*argv, f"--run.name={name}", *extra])[0]
+        assert losses[-1] < losses[0] - 0.5, (name, losses)
+
+
+@needs_gpu
 def test_gpu_fp32_matches_cpu_fp32(tiny_dataset: str, tmp_path: Path) -> None:
     argv = [
         f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,

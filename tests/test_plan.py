@@ -13,12 +13,15 @@ from model import llama
 from parallel.float8 import Float8Config
 from parallel.plan import model_shape, plan_communication, plan_memory
 from tests.distributed import run_distributed
+from tests.test_moe_trainer import MOE
 
 # Ring algorithms: bytes one rank sends for an input of `nbytes` on a group of `size` ranks.
 RING = {
     "all_gather": lambda nbytes, size: (size - 1) * nbytes,
     "reduce_scatter": lambda nbytes, size: (size - 1) / size * nbytes,
     "all_reduce": lambda nbytes, size: 2 * (size - 1) / size * nbytes,
+    # What leaves the rank when every destination gets an equal part (the mean over ranks).
+    "all_to_all": lambda nbytes, size: (size - 1) / size * nbytes,
 }
 # FSDP2 calls the *_single collectives in torch 2.13, the *_tensor ones in older releases.
 SPIED = {
@@ -27,6 +30,7 @@ SPIED = {
     "reduce_scatter_single": ("reduce_scatter", 1),
     "reduce_scatter_tensor": ("reduce_scatter", 1),
     "all_reduce": ("all_reduce", 0),
+    "all_to_all_single": ("all_to_all", 1),
 }
 
 
@@ -46,10 +50,15 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
     captured: dict[str, Any] = {}
     sent: dict[tuple[str, str], float] = {}
     build_mesh, build_optimizer = train.build_mesh, train.build_optimizer
+    build_expert_mesh = train.build_expert_mesh
 
     def mesh_spy(*args: Any) -> Any:
         captured["mesh"] = build_mesh(*args)
         return captured["mesh"]
+
+    def expert_mesh_spy(*args: Any) -> Any:
+        captured["expert_mesh"] = build_expert_mesh(*args)
+        return captured["expert_mesh"]
 
     def optimizer_spy(model: Any, *args: Any) -> Any:
         opt = build_optimizer(model, *args)
@@ -66,8 +75,13 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
         return opt
 
     def dim_of(group: Any) -> str:
-        mesh = captured["mesh"]
-        for dim in ("dp_shard", "dp_replicate"):
+        meshes = {"dp_shard": captured["mesh"], "dp_replicate": captured["mesh"]}
+        if "expert_mesh" in captured:  # expert parallel: the experts' own mesh
+            expert_mesh = captured["expert_mesh"]
+            meshes |= {"expert_shard": expert_mesh, "ep": expert_mesh}
+            if group is not None and group == expert_mesh["dp_replicate"].get_group():
+                return "dp_replicate"
+        for dim, mesh in meshes.items():
             if group is not None and group == mesh[dim].get_group():
                 return dim
         return "other"  # the trainer's scalar all-reduces on the default group
@@ -96,6 +110,7 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
         return call
 
     train.build_mesh, train.build_optimizer = mesh_spy, optimizer_spy
+    train.build_expert_mesh = expert_mesh_spy
     for name in originals:
         setattr(dist, name, spy(name))
     try:
@@ -104,6 +119,7 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
         for name, fn in originals.items():
             setattr(dist, name, fn)
         train.build_mesh, train.build_optimizer = build_mesh, build_optimizer
+        train.build_expert_mesh = build_expert_mesh
     return {"sent": sent, "state": captured["state"]}
 
 
@@ -142,6 +158,14 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
             marks=pytest.mark.slow,
         ),
         pytest.param(1, ["--lora.enabled=true"], id="fsdp-lora", marks=pytest.mark.slow),
+        # Expert parallel: the experts' own unit over expert_shard (2 ranks), the all-to-alls.
+        pytest.param(1, [*MOE, "--parallel.ep=2"], id="fsdp-ep2"),
+        pytest.param(
+            2,
+            [*MOE, "--parallel.ep=2", "--ac.mode=full"],
+            id="hsdp-ep2-full-ac",
+            marks=pytest.mark.slow,
+        ),  # fmt: skip
     ],
 )
 def test_planner_matches_instrumented_collectives(
@@ -174,14 +198,16 @@ def test_planner_matches_instrumented_collectives(
     planned = plan_communication(
         shape, rep, shard, p.param_dtype, p.reduce_dtype,
         reshard_after_forward=p.reshard_after_forward, grad_accum_steps=2,
+        tokens=job.data.seq_len, ac_mode=job.ac.mode, ep=p.ep,
     )  # fmt: skip
-    for result in results:
-        sent = result["sent"]
-        for dim, collectives in planned.items():
-            for collective, expected in collectives.items():
-                measured = sent.get((dim, collective), 0)
-                assert measured == pytest.approx(expected, rel=0.01), (dim, collective, sent)
-    mem = plan_memory(shape, shard, 1, job.data.seq_len, p.param_dtype)
+    for dim, collectives in planned.items():
+        for collective, expected in collectives.items():
+            measured = [r["sent"].get((dim, collective), 0) for r in results]
+            if collective == "all_to_all":  # a rank's share follows its routing: the mean
+                measured = [sum(measured) / len(measured)]
+            for value in measured:
+                assert value == pytest.approx(expected, rel=0.01), (dim, collective, results)
+    mem = plan_memory(shape, shard, 1, job.data.seq_len, p.param_dtype, ep=p.ep)
     for result in results:
         for key, measured in result["state"].items():
             assert measured == pytest.approx(mem[key], rel=0.10), (key, result["state"], mem)
@@ -237,3 +263,17 @@ def test_cli_compares_fsdp_and_hsdp(capsys: pytest.CaptureFixture[str]) -> None:
     assert "FSDP 1x8 TP8: 22.4 GB fits" in out and "recommended: FSDP 1x8 TP8" in out
     main(["--model", "70B", "--nodes", "8", "--gpus-per-node", "8", "--ac", "full", "--tp"])
     assert "recommended: FSDP 1x64" in capsys.readouterr().out  # without TP, as before
+
+
+def test_cli_expert_parallel_for_a_mixture_of_experts(capsys: pytest.CaptureFixture[str]) -> None:
+    """The command of launch/plan.py's docstring: Qwen3-30B-A3B on 2 x 8 GPUs. EP 8 inside each
+    node keeps FSDP's memory per GPU but gathers 16 of the 128 experts of a block, moving most
+    of the traffic into the node's all-to-alls."""
+    argv = ["--family", "qwen3_moe", "--model", "30B-A3B", "--nodes", "2", "--ep", "8"]
+    assert main([*argv, "--ac", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "(30.53B parameters, 3.35B active per token)" in out
+    assert "FSDP 1x16 EP8" in out and "ep all_to_all" in out and "expert_shard all_gather" in out
+    assert "recommended: FSDP 1x16 EP8" in out
+    main(["--model", "8B", "--nodes", "2", "--ep", "8"])  # a dense family: no EP column
+    assert "EP8" not in capsys.readouterr().out

@@ -5,9 +5,10 @@ Once a torch release fixes a bug, its test fails saying which workaround to remo
 older than 2.13, where the bugs were seen, it is skipped with that message instead: the
 workaround stays while 2.13 is supported).
 
-2 gloo ranks, tp 2, a one-block Llama of dim 32; blocks are compiled with the `aot_eager`
-backend: both bugs are in AOTAutograd, which it runs without Inductor's code generation.
-tests/test_tp.py checks the trainer's own path, with Inductor.
+Workarounds 1 and 2: 2 gloo ranks, tp 2, a one-block Llama of dim 32; blocks are compiled with
+the `aot_eager` backend: both bugs are in AOTAutograd, which it runs without Inductor's code
+generation. tests/test_tp.py checks the trainer's own path, with Inductor. Workaround 3: one
+Linear on 2 gloo ranks (tests/test_moe_trainer.py checks the trainer's HSDP with EP).
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ def still_needed(bug_seen: bool, workaround: str) -> None:
             "2.13: keep the workaround while torch 2.13 is supported"
         )
     pytest.fail(
-        f"torch {version} no longer needs workaround {workaround!r}: without it, compiled blocks "
-        "at tp 2 give eager's gradients. Remove it (parallel/workarounds.py and this test)."
+        f"torch {version} no longer needs workaround {workaround!r}: without it, the gradients "
+        "are right. Remove it (parallel/workarounds.py and this test)."
     )
 
 
@@ -148,3 +149,40 @@ def test_compiling_a_checkpointed_tp_block_fails(cases: dict[str, Outcome]) -> N
     assert _same(cases["compile_then_ac"], cases["eager"]), cases["compile_then_ac"]
     bug_seen = not _same(cases["ac_then_compile"], cases["eager"])
     still_needed(bug_seen, "compile before whole-block AC")
+
+
+def divided_gradients() -> dict[str, float]:
+    """The gradient of a 1x4 Linear of ones on HSDP (2 replicas x 1 shard rank), each rank's
+    own gradient 1 per weight, reduced with a divide factor of 4: by torch's own calls with
+    force-sum (workaround 3's bug) and by the workaround's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from parallel.dims import LaunchEnv
+    from parallel.runtime import init_distributed
+    from parallel.workarounds import set_gradient_divide_factor
+
+    init_distributed(torch.device("cpu"), LaunchEnv.from_env(), 60)
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    grads = {}
+    for case in ("force_sum", "workaround"):
+        linear = torch.nn.Linear(4, 1, bias=False)
+        torch.nn.init.ones_(linear.weight)
+        fully_shard(linear, mesh=mesh)
+        if case == "force_sum":
+            linear.set_gradient_divide_factor(4.0)
+            linear.set_force_sum_reduction_for_comms(True)
+        else:
+            set_gradient_divide_factor(linear, 4.0, mesh)
+        linear(torch.ones(1, 4)).sum().backward()
+        grads[case] = linear.weight.grad.full_tensor()[0, 0].item()
+    torch.distributed.destroy_process_group()
+    return grads
+
+
+def test_force_sum_with_one_shard_rank_divides_gradients_twice() -> None:
+    """Summed over 2 replicas and divided by 4, each weight's gradient is 0.5; torch 2.13's
+    force-sum path gives 0.5 / 4 with a one-rank shard group."""
+    grads = run_distributed(divided_gradients, 2, nodes=2)[0]
+    assert grads["workaround"] == 0.5
+    still_needed(grads["force_sum"] != 0.5, "gradients divided twice")
