@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from checkpoint.integrity import COMPLETE
-from configs import ConfigError
+from configs import ConfigError, check_folder_name
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,14 @@ class CheckpointConfig:
                 f"checkpoint.load_model_only needs checkpoint.resume=<path to a step-N "
                 f"directory>, got resume='{self.resume}'"
             )
+        if self.init_from_hf and self.resume not in ("auto", "none"):
+            # Two sources of weights: which would win is a guess, so neither is chosen silently.
+            raise ConfigError(
+                f"checkpoint.init_from_hf and checkpoint.resume={self.resume!r} both give the "
+                "weights to start from: set one (resume=<path> with load_model_only=true starts "
+                "a new run from another run's checkpoint)"
+            )
+        check_folder_name("checkpoint.folder", self.folder, absolute=True)
 
 
 def checkpoint_folder(cfg: CheckpointConfig, run_dir: Path) -> Path:

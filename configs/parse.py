@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import math
 import tomllib
 import types
 from dataclasses import MISSING, Field, fields, is_dataclass
@@ -85,6 +86,8 @@ def help_text(cls: type) -> str:
 
 
 def _load_toml(path: str) -> dict[str, Any]:
+    if Path(path).is_dir():
+        raise ConfigError(f"config file {path} is a directory; give a TOML file")
     if not Path(path).is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
@@ -92,6 +95,10 @@ def _load_toml(path: str) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from e
+    except UnicodeDecodeError as e:  # TOML is UTF-8 by definition
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from e
+    except OSError as e:  # permissions, a vanished mount
+        raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from e
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -221,10 +228,16 @@ def _convert(value: Any, hint: Any, path: str, source: str, cli: bool) -> Any:
     elif hint in (int, float):
         if cli:
             with contextlib.suppress(ValueError):
-                return hint(value)  # int() takes "1_000" but rejects "1.5" and "1e3"
+                value = hint(value)  # int() takes "1_000" but rejects "1.5" and "1e3"
         # type() and not isinstance(): bool is an int subclass, but `steps = true` is a mistake.
         elif type(value) is int or (hint is float and type(value) is float):
-            return hint(value)
+            value = hint(value)
+        if type(value) is hint:
+            # No setting of this trainer means anything with nan or inf (TOML and float() both
+            # accept them), and either would only surface as a nan loss after training began.
+            if not math.isfinite(value):
+                raise ConfigError(f"{path}: expected a finite number, got {value} ({source})")
+            return value
     elif hint is str:
         if cli or isinstance(value, str):
             return value

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from checkpoint import CheckpointConfig
-from configs import ConfigError
+from configs import ConfigError, check_folder_name
 from data.loader import DataConfig
 from launch.metrics import MetricsConfig
 from model import ModelConfig
@@ -31,6 +31,11 @@ class RunConfig:
     """Run name: outputs go to <output_dir>/<name>/."""
     output_dir: str = "outputs"
     """Parent directory of run directories."""
+
+    def __post_init__(self) -> None:
+        if not self.output_dir.strip():
+            raise ConfigError("run.output_dir is empty: name the parent folder of run folders")
+        check_folder_name("run.name", self.name, absolute=False)
 
 
 # AdamW and its schedule: train.py builds them (build_optimizer, lr_lambda).
@@ -56,12 +61,20 @@ class OptimizerConfig:
     """AdamW kernel: 'auto' = fused (one kernel for all parameters), the fastest everywhere."""
 
     def __post_init__(self) -> None:
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ConfigError(
-                f"optim: need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0 "
-                f"(got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}, "
-                f"warmup_steps={self.warmup_steps})"
-            )
+        # torch.optim.AdamW would refuse some of these, but only inside every rank after the
+        # process group exists; the rest (a negative weight decay) it would silently train with.
+        rules = (
+            ("lr", self.lr > 0, "> 0"),
+            ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+            ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
+            ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
+            ("eps", self.eps > 0, "> 0"),
+        )
+        for name, ok, rule in rules:
+            if not ok:
+                raise ConfigError(f"optim.{name} must be {rule}, got {getattr(self, name)}")
 
 
 # The loop's own settings (train.py); launch/check.py checks the batch arithmetic.

@@ -172,6 +172,12 @@ class ModelConfig:
                 f"model.name: {self.name!r} is not one of: {', '.join(FAMILIES)} "
                 "(the families of model/__init__.py)"
             )
+        # Shapes and counts are checked by each family's args; these would only show up as a
+        # nan loss (rope_theta 0 gives 0/0 frequencies, norm_eps 0 divides by zero on a
+        # zero row), so they are refused here, by name.
+        for name in ("rope_theta", "norm_eps", "ffn_dim_multiplier"):
+            if (value := getattr(self, name)) is not None and value <= 0:
+                raise ConfigError(f"model.{name} must be > 0, got {value}")
 
 
 def resolve_args(cfg: ModelConfig, flavors: dict[str, Any]) -> Any:

@@ -48,13 +48,21 @@ def check_tp(family: ModelFamily, args: Any, tp: int, name: str) -> None:
         return
     if getattr(family, "TP_PLAN", None) is None:
         raise ConfigError(f"parallel.tp={tp}: model {name} declares no TP_PLAN (model/)")
-    sizes = {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size}
-    if bad := [f"{k}={v}" for k, v in sizes.items() if v % tp != 0]:
+    heads = {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads}
+    if bad := [f"{k}={v}" for k, v in heads.items() if v % tp != 0]:
+        # Heads are the model's shape: only another tp helps (padding the vocabulary does not).
+        fits = [d for d in range(2, args.n_kv_heads + 1) if args.n_kv_heads % d == 0
+                and args.n_heads % d == 0]  # fmt: skip
+        choose = f"choose tp in {fits}" if fits else "this model cannot use tensor parallel"
         raise ConfigError(
-            f"parallel.tp={tp} must divide n_heads, n_kv_heads and vocab_size "
-            f"(n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads}, "
-            f"vocab_size={args.vocab_size}; not: {', '.join(bad)}): set model.vocab_size to a "
-            f"multiple of {tp} (padding rows are never a target) or choose another tp"
+            f"parallel.tp={tp} must divide the attention heads (n_heads={args.n_heads}, "
+            f"n_kv_heads={args.n_kv_heads}; not: {', '.join(bad)}): {choose}"
+        )
+    if args.vocab_size % tp != 0:
+        raise ConfigError(
+            f"parallel.tp={tp} must divide model.vocab_size ({args.vocab_size}): set "
+            f"model.vocab_size to a multiple of {tp} (padding rows are never a target) or "
+            "choose another tp"
         )
 
 

@@ -190,6 +190,12 @@ def test_wrong_types_name_the_source(tmp_path: Path) -> None:
     assert "expected bool, got 'maybe'" in error(["--dry_run=maybe"])
     assert "train.milestones[1]: expected int, got 'x'" in error(["--train.milestones=1,x"])
     assert "expected float | none, got 'off'" in error(["--train.grad_clip=off"])
+    # nan and inf parse as floats, from TOML as from the command line, and mean nothing here.
+    assert "train.lr: expected a finite number, got nan (from --train.lr)" in error(
+        ["--train.lr=nan"]
+    )
+    path = write(tmp_path, "[train]\nlr = inf\n")
+    assert error([path]) == f"train.lr: expected a finite number, got inf (from {path})"
 
 
 def test_bad_literal_lists_choices(tmp_path: Path) -> None:
@@ -203,6 +209,10 @@ def test_file_and_argument_errors(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope.toml")
     assert error([missing]) == f"config file not found: {missing}"
     assert "invalid TOML" in error([write(tmp_path, "steps = = 1\n")])
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes("[train]\n# caf\u00e9\nsteps = 3\n".encode("latin-1"))
+    assert error([str(latin1)]) == f"{latin1}: not UTF-8 text (byte 13); save it as UTF-8"
+    assert error([str(tmp_path)]) == f"config file {tmp_path} is a directory; give a TOML file"
     assert "unexpected argument 'b.toml'" in error([write(tmp_path, ""), "b.toml"])
     assert "--train.steps needs a value" in error(["--train.steps"])
 
@@ -230,15 +240,17 @@ def test_toml_round_trip(tmp_path: Path) -> None:
         name='quote " and back\\slash\nnewline\ttab \x7f é',
         dry_run=True,
         train=TrainConfig(
-            steps=5, lr=0.1, grad_clip=math.inf, milestones=[], schedule=ScheduleConfig("linear", 5)
+            steps=5, lr=0.1, grad_clip=2.5, milestones=[], schedule=ScheduleConfig("linear", 5)
         ),
         data=DataConfig(path="C:\\data", tags=["x", 'y"z'], seed=7),
         model=ModelConfig(dim=8),
     )
     text = config_to_toml(cfg)
     assert "# Peak learning rate.\nlr = 0.1\n" in text
-    assert "grad_clip = inf" in text and "[train.schedule]" in text
+    assert "grad_clip = 2.5" in text and "[train.schedule]" in text
     assert parse_config(RunConfig, [write(tmp_path, text)]) == cfg
+    # inf is written as TOML has it, and refused when read back (test_type_errors_name_the_key).
+    assert "grad_clip = inf" in config_to_toml(RunConfig(train=TrainConfig(grad_clip=math.inf)))
 
     cfg = RunConfig(train=TrainConfig(lr=3e-4, grad_clip=None))
     text = config_to_toml(cfg)

@@ -269,7 +269,9 @@ def write_checkpoint(model: nn.Module, cfg: ModelConfig, lora: LoRAConfig, step:
 def test_resume_may_change_lora_dropout_but_not_what_trains(lora_run: dict[str, Any]) -> None:
     """lora.dropout is applied and listed; alpha (the model's math) and the targets (other
     adapters: checkpoint keys) are each one config error."""
-    argv = [*lora_run["argv"], f"--checkpoint.resume={lora_run['ckpt'] / 'step-2'}"]
+    # The run's own argv, resuming: its init_from_hf applied to its first start only.
+    resume = f"--checkpoint.resume={lora_run['ckpt'] / 'step-2'}"
+    argv = [*lora_run["argv"], resume, "--checkpoint.init_from_hf=none"]
     env = LaunchEnv(0, 0, 2, 2, 1)
     plan = check_config(parse_config(JobConfig, [*argv, "--lora.dropout=0.1"]), env)
     assert plan.resume_changes == ("lora.dropout: 0.0 -> 0.1",)

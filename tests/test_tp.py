@@ -48,8 +48,13 @@ def test_tp_mesh_errors_name_every_number() -> None:
 @pytest.mark.parametrize(
     ("override", "bad"),
     [
-        ("--model.n_kv_heads=1", r"tp=2 must divide .*not: n_kv_heads=1\)"),
-        ("--model.vocab_size=511", r"tp=2 must divide .*not: vocab_size=511\)"),
+        # Heads name the tp values that fit, and never suggest the vocabulary.
+        ("--model.n_kv_heads=1", r"heads .*not: n_kv_heads=1\): this model cannot use tensor"),
+        (
+            ["--model.dim=96", "--model.n_heads=6", "--model.n_kv_heads=3"],
+            r"n_kv_heads=3; not: n_kv_heads=3\): choose tp in \[3\]$",
+        ),
+        ("--model.vocab_size=511", r"tp=2 must divide model.vocab_size \(511\): set model.vocab"),
     ],
 )
 def test_model_that_tp_cannot_split_is_a_config_error(
@@ -67,6 +72,7 @@ def test_model_that_tp_cannot_split_is_a_config_error(
     with pytest.raises(ConfigError, match=bad) as err:
         check_config(job, env(2))
     assert "\n" not in str(err.value)
+    assert ("vocab_size" in str(err.value)) == ("vocab_size" in "".join(overrides))
 
 
 @pytest.mark.slow
