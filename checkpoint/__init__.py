@@ -11,7 +11,7 @@ any mesh. One module per reason to change:
 | `hf.py`, `export.py` | Hugging Face safetensors: export a checkpoint, start a run from one |
 """
 
-from checkpoint.checkpointer import Checkpointer, CheckpointError
+from checkpoint.checkpointer import Checkpointer, CheckpointError, warn_if_low_space
 from checkpoint.integrity import COMPLETE
 from checkpoint.layout import (
     CheckpointConfig,
@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointError",
     "Checkpointer",
+    "warn_if_low_space",
     "ResumePoint",
     "TrainState",
     "build_states",

@@ -37,7 +37,13 @@ from checkpoint.integrity import (
     split_by_size,
     verify_files,
 )
-from checkpoint.layout import CheckpointConfig, is_complete, list_step_dirs, step_dir
+from checkpoint.layout import (
+    CheckpointConfig,
+    complete_checkpoints,
+    is_complete,
+    list_step_dirs,
+    step_dir,
+)
 from checkpoint.resume import DAMAGED_HINT, ResumePoint
 from checkpoint.state import CONFIG, MODEL
 from configs import ConfigError
@@ -58,6 +64,21 @@ class _InFlight:
     started: float
     blocked: float  # seconds the training loop spent starting this save
     finished: float | None = None  # set by a done-callback, in the thread that finishes
+
+
+def warn_if_low_space(folder: Path, checkpoint_bytes: int) -> None:
+    """Warn (rank 0, at startup) when the checkpoint folder's file system has less free space
+    than one checkpoint of this run: its first save would fail hours from now otherwise."""
+    where = folder
+    while not where.exists() and where != where.parent:  # the folder may not exist yet
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free < checkpoint_bytes:
+        logger.warning(
+            "checkpoint: %s has %.2f GB free, less than one checkpoint of this run (about %.2f "
+            "GB): its saves will fail; free space or set checkpoint.folder",
+            where, free / 1e9, checkpoint_bytes / 1e9,
+        )  # fmt: skip
 
 
 class Checkpointer:
@@ -206,17 +227,22 @@ class Checkpointer:
         full = any(e.errno in (errno.ENOSPC, errno.EDQUOT) for e in os_errors)
         if not (full or os_errors or "unexpected pos" in str(err)):
             return err
+        # Only what is true: a run that never saved has nothing to fall back on.
+        earlier = [p for p in complete_checkpoints(self.folder) if p != path]
+        kept = (
+            f"{earlier[0].name} and older are intact" if earlier
+            else "this run has no earlier checkpoint: a restart starts over"
+        )  # fmt: skip
         if os_errors and not full:
             return CheckpointError(
-                f"checkpoint step {step}: {os_errors[0].strerror} writing {path} "
-                "(the earlier checkpoints are intact)"
+                f"checkpoint step {step}: {os_errors[0].strerror} writing {path} ({kept})"
             )
         if self.is_rank0:  # a partial save is useless (resuming skips it) and holds space
             shutil.rmtree(path, ignore_errors=True)
         return CheckpointError(
             f"checkpoint step {step}: no space left on device writing {path} (the partial "
-            "save is deleted, the earlier checkpoints are intact): free space, lower "
-            "checkpoint.keep_last or set checkpoint.folder"
+            f"save is deleted, {kept}): free space, lower checkpoint.keep_last or set "
+            "checkpoint.folder"
         )
 
     def _mark_complete(

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 
 from checkpoint.hf import INDEX_FILE, MAX_SHARD_BYTES, save_hf_weights
 from checkpoint.peft import ADAPTER_FILES, save_peft_adapters
@@ -136,6 +138,15 @@ def special_token_ids(config: dict) -> tuple[int | None, int | None]:
 def _check_out_dir(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} exists and is not a directory")
+    # Loading a large checkpoint takes minutes: find an unwritable target before, not after.
+    where = out
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        raise ConfigError(f"cannot create {out}: {where} is a file, not a directory")
+    # os.access asks the kernel, so a read-only mount fails it even for root.
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write into {where} (read-only or not permitted)")
     if not force and out.is_dir() and (entries := sorted(p.name for p in out.iterdir())):
         raise ConfigError(
             f"{out} is not empty ({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}):"
@@ -216,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         logger.error("export error: %s", err)
         return 2
+    except (OSError, SafetensorError) as err:  # found while writing: a full disk, a lost mount
+        logger.error("export error: writing %s failed: %s", opts.out_dir, err)
+        return 1
     return 0
 
 

@@ -487,7 +487,9 @@ def test_damaged_explicit_checkpoint_is_one_config_error(
     sync_run: tuple[list, Path], tiny_dataset: str, kind: str
 ) -> None:
     """checkpoint.resume=<damaged path> is never replaced by another: exit 2, one line naming
-    the file, no traceback (the flipped byte is found after the process group exists)."""
+    the file, no traceback (the flipped byte is found after the process group exists). The
+    launchers' check (launch.check) finds it first, before any rank exists, so torchrun never
+    restarts a job for it."""
     _, out = sync_run
     damaged = out / f"explicit-{kind}" / "step-8"
     shutil.copytree(ckpt(out, "sync", 8), damaged)
@@ -501,6 +503,17 @@ def test_damaged_explicit_checkpoint_is_one_config_error(
     assert f"config error: checkpoint.resume: {damaged / file} " in error
     assert "the checkpoint is damaged" in error
     assert "Traceback" not in result.stderr
+
+    check = subprocess.run(
+        [sys.executable, "-m", "launch.check", "--world-size=2", *args,
+         f"--checkpoint.resume={damaged}"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert check.returncode == 2, check.stderr[-3000:]
+    [error] = lines_with(check.stderr, "ERROR")
+    assert f"config error: checkpoint.resume: {damaged / file} " in error
+    assert "Traceback" not in check.stderr
 
 
 @pytest.mark.slow
@@ -549,10 +562,10 @@ def test_checkpoint_without_manifest_loads_with_a_warning(
 
 
 @contextlib.contextmanager
-def small_tmpfs(path: Path, size_bytes: int) -> Iterator[Path]:
-    """A file system of `size_bytes` at `path`, to fill up for real."""
+def small_tmpfs(path: Path, size_bytes: int, read_only: bool = False) -> Iterator[Path]:
+    """A file system of `size_bytes` at `path`, to fill up for real (or a read-only one)."""
     path.mkdir()
-    size = f"size={size_bytes // 1024}k"
+    size = f"size={size_bytes // 1024}k" + (",ro" if read_only else "")
     try:
         mounted = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(path)], capture_output=True
@@ -586,6 +599,7 @@ def test_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_checkpoint(
         assert result.returncode == 1, result.stderr[-3000:]
         [full] = lines_with(result.stderr, "] ERROR")  # one line, on rank 0
         assert f"checkpoint step 4: no space left on device writing {disk / 'step-4'}" in full
+        assert "step-2 and older are intact" in full
         # No rank's traceback (torchrun still prints its ChildFailedError summary of exit 1).
         assert 'train.py", line' not in result.stderr and "unexpected pos" not in result.stderr
         assert sorted(p.name for p in disk.iterdir()) == ["step-2"]
@@ -593,3 +607,26 @@ def test_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_checkpoint(
 
         resumed = run_distributed(train_losses, 2, [*args, "--checkpoint.interval=0"])[0]
         assert resumed == losses[2:]
+
+
+@pytest.mark.slow
+def test_a_disk_too_small_for_one_checkpoint_is_warned_about_and_the_failure_says_so(
+    sync_run: tuple[list, Path], tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Room for half a checkpoint: rank 0 warns at startup (the first save would fail much
+    later), and when it does fail, the line does not promise earlier checkpoints that the run
+    never saved."""
+    _, out = sync_run
+    one = sum(f.stat().st_size for f in ckpt(out, "sync", 4).iterdir())
+    with small_tmpfs(tmp_path / "disk", one // 2) as disk:
+        args = argv(tiny_dataset, tmp_path, "tiny-disk", f"--checkpoint.folder={disk}",
+                    "--checkpoint.interval=2")  # fmt: skip
+        result = train_py(args)
+        assert result.returncode == 1, result.stderr[-3000:]
+        [warning] = lines_with(result.stderr, "WARNING")
+        assert f"checkpoint: {disk} has 0.00 GB free, less than one checkpoint" in warning
+        [full] = lines_with(result.stderr, "ERROR")
+        assert f"checkpoint step 2: no space left on device writing {disk / 'step-2'}" in full
+        assert "this run has no earlier checkpoint: a restart starts over" in full
+        assert "intact" not in full
+        assert list(disk.iterdir()) == []

@@ -477,6 +477,34 @@ def test_export_refuses_a_non_empty_out_dir_unless_forced(
     assert main([str(step_dir), str(tmp_path / "new" / "hf"), "--force"]) == 0  # new dirs too
 
 
+def test_export_where_it_cannot_write_is_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read-only folder and a path under a file are found before the checkpoint is loaded; a
+    disk that fills up while writing is one line too, not an OSError's traceback."""
+    from tests.test_checkpoint import small_tmpfs
+
+    cfg = small_config(tie_embeddings=False)
+    step_dir = write_checkpoint(random_model(build_args(cfg), seed=1), cfg, tmp_path / "run")
+    (tmp_path / "a-file").write_text("")
+    under_a_file = tmp_path / "a-file" / "hf"
+    with small_tmpfs(tmp_path / "ro", 1 << 20, read_only=True) as ro:
+        for out, message in [
+            (ro / "hf", f"export error: cannot write into {ro} (read-only or not permitted)"),
+            (under_a_file, f"export error: cannot create {under_a_file}: {under_a_file.parent} "
+             "is a file, not a directory"),
+        ]:  # fmt: skip
+            caplog.clear()
+            assert main([str(step_dir), str(out)]) == 2
+            assert [r.getMessage() for r in caplog.records] == [message]
+    with small_tmpfs(tmp_path / "small", 64 << 10) as small:  # less than the weights
+        caplog.clear()
+        assert main([str(step_dir), str(small / "hf"), "--dtype", "float32"]) == 1
+        [error] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert error.startswith(f"export error: writing {small / 'hf'} failed: "), error
+        assert "\n" not in error
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
 def test_exported_files_follow_the_umask(tmp_path: Path, umask: int) -> None:
     cfg = small_config(tie_embeddings=False)
