@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -31,13 +32,14 @@ from checkpoint import (
     build_states,
     checkpoint_folder,
     step_dir,
+    warn_if_low_space,
 )
 from checkpoint.hf import load_hf_weights
 from configs import ConfigError, HelpRequested, config_to_toml, parse_config
 from data.documents import MicroBatch, micro_batch
 from data.loader import DataSource, build_dataloader
 from data.stream import SourceMeter
-from launch.check import Plan, check_config, dry_run
+from launch.check import Plan, check_config, dry_run, unintended_settings
 from launch.job import JobConfig, OptimizerConfig
 from launch.lifecycle import (
     RunLock,
@@ -56,6 +58,7 @@ from launch.metrics import (
     peak_tflops,
     profile_step,
 )
+from launch.preflight import network_problem
 from model import count_params, get_hf_mapping, moe_family
 from parallel.ac import apply_ac
 from parallel.compile import apply_compile, compile_loss
@@ -65,7 +68,14 @@ from parallel.float8 import apply_float8, precompute_float8_scales
 from parallel.freeze import apply_freeze
 from parallel.fsdp import apply_fsdp, assign_local_shard, reshard_plan
 from parallel.lora import adapter_names, apply_lora, init_lora
-from parallel.runtime import build_mesh, dp_mesh, dp_rank_and_size, init_distributed, pick_device
+from parallel.runtime import (
+    build_mesh,
+    dp_mesh,
+    dp_rank_and_size,
+    init_distributed,
+    launched_by_torchrun,
+    pick_device,
+)
 from parallel.tp import apply_tp, loss_context
 from parallel.workarounds import tp_compile_workarounds
 
@@ -261,6 +271,11 @@ def _train(
     progress = TrainState()
     states = build_states(model, optimizer, scheduler, loader, progress, config_toml)
     checkpointer = Checkpointer(job.checkpoint, ckpt_folder, is_rank0)
+    if is_rank0 and job.checkpoint.interval > 0:
+        # fp32 weights, plus AdamW's two fp32 moments of what trains (a lower bound: the data
+        # position, RNG and config are small).
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        warn_if_low_space(ckpt_folder, 4 * n_params + 8 * trainable)
     resumed = checkpointer.load(states, plan.resume)  # an older one if plan.resume is damaged
     # The checkpoint brought its own lr, betas, ...: what this run's config says wins (the
     # changes were checked and listed by check_config).
@@ -286,6 +301,7 @@ def _train(
     )
     losses: list[float] = []
     val_loss: float | None = None
+    val_step: int | None = None
     saved: Path | None = None
     skipped_in_a_row = 0
     timer = Timer(device)
@@ -407,7 +423,7 @@ def _train(
                     val_losses[f"loss/val/{source.name}"] = evaluate(
                         model, val, n_val, to_batch, loss_fn
                     )
-            val_loss = sum(val_losses.values()) / len(val_losses)
+            val_loss, val_step = sum(val_losses.values()) / len(val_losses), step
             metrics.log(step, {"loss/val": val_loss} | (val_losses if len(val_losses) > 1 else {}))
             timer.lap()  # evaluation time is not training throughput
         # After the optimizer step, so the checkpoint of step N holds N updates. A stop
@@ -425,7 +441,7 @@ def _train(
     if is_rank0:
         summary = RunSummary(
             progress.step, t.steps, losses, val_loss, progress.tokens_seen,
-            time.perf_counter() - started, saved or (resumed and resumed.path),
+            time.perf_counter() - started, saved or (resumed and resumed.path), val_step,
         )  # fmt: skip
         reason = (stop.signal_name or "a signal to another rank") if stopping else None
         for line in summary.lines(reason, job.checkpoint.interval):
@@ -530,10 +546,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = parse_config(JobConfig, sys.argv[1:] if argv is None else argv)
         plan = check_config(job, env)
+        if env.rank == 0:
+            for warning in unintended_settings(job):
+                logger.warning("%s", warning)
         if job.dry_run:
             if env.rank == 0:
                 dry_run(job, plan, env)
             return 0
+        if launched_by_torchrun() and (problem := network_problem(dict(os.environ))):
+            # Under a plain torchrun nothing checked this yet (the launch scripts do): gloo and
+            # NCCL would fail inside init_process_group, with a traceback from every rank. Each
+            # node says it once, since another node's interfaces may differ from rank 0's.
+            return report(env, f"network error: {problem}", 2, everywhere=env.local_rank == 0)
         train(job, plan, env, stop)
     except HelpRequested as help_request:
         if env.rank == 0:
@@ -546,9 +570,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(env: LaunchEnv, message: str, status: int) -> int:
-    """One line on rank 0 for an error every rank hit; returns the exit status."""
-    if env.rank == 0:
+def report(env: LaunchEnv, message: str, status: int, everywhere: bool = False) -> int:
+    """One line on rank 0 (and on each rank given `everywhere`) for an error every rank hit;
+    returns the exit status."""
+    if env.rank == 0 or everywhere:
         logger.error("%s", message)
     else:
         # torchrun stops all ranks when the first one exits: give rank 0 time to report.

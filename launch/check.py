@@ -29,10 +29,19 @@ import torch
 
 from checkpoint import ResumePoint, check_resume, checkpoint_folder, list_step_dirs
 from checkpoint.hf import check_hf_config
+from checkpoint.integrity import read_manifest, verify_files
+from checkpoint.resume import DAMAGED_HINT
 from checkpoint.state import CONFIG, read_run_config
 from configs import ConfigError, HelpRequested, config_to_dict, config_to_toml, parse_config
 from data.documents import check_documents
-from data.loader import DataConfig, DatasetIndex, DataSource, check_eval_split, open_sources
+from data.loader import (
+    DataConfig,
+    DatasetIndex,
+    DataSource,
+    check_eval_split,
+    check_token_ids,
+    open_sources,
+)
 from launch.job import JobConfig
 from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
@@ -148,6 +157,23 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     )  # fmt: skip
 
 
+def unintended_settings(job: JobConfig) -> list[str]:
+    """Settings that are valid but most likely not what was meant, as warnings for rank 0's
+    log: the run goes on, since a short test run of a long config is a fair thing to do."""
+    warnings, steps = [], job.train.steps
+    if job.optim.warmup_steps > steps:
+        warnings.append(
+            f"optim.warmup_steps ({job.optim.warmup_steps}) > train.steps ({steps}): the "
+            f"learning rate never reaches optim.lr ({job.optim.lr}) and never decays"
+        )
+    if job.metrics.profile_step > steps:
+        warnings.append(
+            f"metrics.profile_step ({job.metrics.profile_step}) > train.steps ({steps}): "
+            "nothing will be profiled"
+        )
+    return warnings
+
+
 def data_paths(cfg: DataConfig) -> list[str]:
     """The dataset folders the config names: data.path, or each source's."""
     return [cfg.path] if cfg.path is not None else [s.path for s in cfg.sources.values()]
@@ -167,6 +193,8 @@ def check_dataset(job: JobConfig, args: Any, sources: tuple[DataSource, ...]) ->
             f"data.seq_len ({job.data.seq_len}) exceeds the model's max_seq_len "
             f"({args.max_seq_len})"
         )
+    for source in sources:  # after the tokenizer check, which names the likelier cause
+        check_token_ids(source.index, args.vocab_size, source.key)
     t = job.train
     for source in sources if t.eval_interval > 0 else ():  # each source is evaluated alone
         if source.index.num_tokens("val") == 0:
@@ -305,7 +333,9 @@ def validate(argv: list[str], env: LaunchEnv) -> int:
     """
     try:
         job = parse_config(JobConfig, argv)
-        check_config(job, env)
+        plan = check_config(job, env)
+        if not job.dry_run and plan.resume is not None:
+            verify_explicit_resume(job.checkpoint.resume, plan.resume.path)
         if not job.dry_run:  # a run folder in use: say so now, not after torchrun started
             lock = RunLock(Path(job.run.output_dir) / job.run.name)
             # A few tries: the checks of several nodes may probe a shared folder at once, each
@@ -325,15 +355,29 @@ def validate(argv: list[str], env: LaunchEnv) -> int:
     return 0
 
 
+def verify_explicit_resume(resume: str, chosen: Path) -> None:
+    """Sum every file of an explicit checkpoint.resume path once, here, before any rank starts.
+
+    The ranks verify it too, each its share, but only after the process group exists: a damaged
+    file would then fail every rank under torchrun, which restarts them MAX_RESTARTS times. A
+    path the user named is never replaced by another, so its damage is a config error, once.
+    (`resume=auto` falls back to an older checkpoint of the run inside the ranks instead.)"""
+    if resume in ("auto", "none") or Path(resume).resolve() != chosen.resolve():
+        return
+    manifest = read_manifest(chosen) or {}  # an old checkpoint without one: nothing to sum
+    size = sum(entry["bytes"] for entry in manifest.values())
+    if size > 2**30:
+        logger.info("checking %s (%.1f GB of checksums) before the ranks start", chosen, size / 1e9)
+    if bad := verify_files(chosen, sorted(manifest)):
+        raise ConfigError(f"checkpoint.resume: {bad[0]}; {DAMAGED_HINT}")
+
+
 def check_network(environ: dict[str, str], nodes: int) -> str | None:
     """Log the interface the ranks will use; returns the one-line problem, if any."""
-    import socket
+    from launch.preflight import describe_interfaces, network_problem
 
-    from launch.preflight import describe_interfaces, missing_interfaces
-
-    present = [name for _, name in socket.if_nameindex()]
-    if problems := missing_interfaces(environ, present):
-        return "; ".join(problems)
+    if problem := network_problem(environ):
+        return problem
     logger.info("network: %s", describe_interfaces(environ, nodes))
     return None
 

@@ -45,6 +45,8 @@ class MetricsConfig:
             raise ConfigError(
                 "metrics: log_interval must be >= 1, warmup_steps and profile_step >= 0"
             )
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"metrics.peak_tflops must be > 0, got {self.peak_tflops}")
 
 
 def peak_tflops(
@@ -189,6 +191,8 @@ class RunSummary:
     tokens_seen: int
     wall_s: float
     checkpoint: Path | None
+    val_step: int | None = None
+    """The step val_loss was computed at."""
 
     def lines(self, stop_signal: str | None, checkpoint_interval: int) -> list[str]:
         if stop_signal:
@@ -199,7 +203,9 @@ class RunSummary:
         if self.losses:
             parts.append(f"final loss {self.losses[-1]:.4f}")
         if self.val_loss is not None:
-            parts.append(f"val_loss {self.val_loss:.4f}")
+            # A stop between evaluations leaves an older one: say which step it is from.
+            stale = self.val_step is not None and self.val_step != self.step
+            parts.append(f"val_loss {self.val_loss:.4f}" + (f" (step {self.val_step})" * stale))
         parts.append(f"{self.tokens_seen:,} tokens seen")
         lines = [", ".join(parts)]
         if self.checkpoint is not None:

@@ -40,6 +40,12 @@ def _matches(name: str, want: str, exact: bool) -> bool:
     return name == want or (not exact and name.startswith(want))
 
 
+def network_problem(environ: dict[str, str]) -> str | None:
+    """The one-line problem with this node's *_SOCKET_IFNAME settings, if any."""
+    present = [name for _, name in socket.if_nameindex()]
+    return "; ".join(missing_interfaces(environ, present)) or None
+
+
 def missing_interfaces(environ: dict[str, str], present: list[str]) -> list[str]:
     """One message per *_SOCKET_IFNAME entry that matches no interface of this node
     (exclusions, `^...`, cannot be missing)."""

@@ -43,6 +43,24 @@ def run_cli(args: list[str], nproc: int = 2, timeout: float = 120) -> subprocess
         ("--model.vocab_size=100", "smaller than the dataset's tokenizer vocabulary (258"),
         ("--model.n_heads=5", "not divisible by n_heads=5"),
         ("--data.path=/nonexistent/ds", "python -m data.prepare --out /nonexistent/ds"),
+        # Numbers torch would refuse inside every rank, or train with into a nan loss.
+        ("--optim.lr=nan", "optim.lr: expected a finite number, got nan (from --optim.lr)"),
+        ("--optim.lr=inf", "optim.lr: expected a finite number, got inf"),
+        ("--optim.beta1=1.5", "optim.beta1 must be in [0, 1), got 1.5"),
+        ("--optim.eps=-1", "optim.eps must be > 0, got -1.0"),
+        ("--optim.weight_decay=-0.1", "optim.weight_decay must be >= 0, got -0.1"),
+        ("--model.rope_theta=0", "model.rope_theta must be > 0, got 0.0"),
+        ("--metrics.peak_tflops=-5", "metrics.peak_tflops must be > 0, got -5.0"),
+        # Folders stay inside their parent, and an empty one is not the parent itself.
+        ("--run.name=../escape", "run.name='../escape' leaves its parent folder"),
+        ("--run.name=", "run.name='' names no folder of its own"),
+        ("--run.output_dir=", "run.output_dir is empty"),
+        ("--checkpoint.folder=", "checkpoint.folder='' names no folder of its own"),
+        ("--checkpoint.folder=a/../../b", "checkpoint.folder='a/../../b' leaves its parent"),
+        (
+            "--checkpoint.init_from_hf=/some/hf --checkpoint.resume=/some/run/step-4",
+            "checkpoint.init_from_hf and checkpoint.resume='/some/run/step-4' both give",
+        ),
         ("--parallel.mesh=auto", None),  # valid: shown here as the control case
     ],
 )
@@ -50,7 +68,7 @@ def test_config_errors_are_one_line_before_any_collective(
     tiny_dataset: str, tmp_path: Path, override: str, message: str | None, caplog
 ) -> None:
     """check_config runs on every rank before the process group: same input, same error."""
-    argv = [*base_argv(tiny_dataset, tmp_path), "--train.micro_batch_size=2", override]
+    argv = [*base_argv(tiny_dataset, tmp_path), "--train.micro_batch_size=2", *override.split()]
     os.environ.pop("WORLD_SIZE", None)  # this process is a 1-rank launch
     with caplog.at_level(logging.ERROR, logger="train"):
         if message is None:
@@ -60,6 +78,28 @@ def test_config_errors_are_one_line_before_any_collective(
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "\n" not in errors[0]
     assert message in errors[0], errors[0]
+
+
+def test_settings_that_are_valid_but_likely_unintended_are_warned_about(
+    tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A warm-up longer than the run never reaches the peak lr, a profile step past the end
+    profiles nothing: rank 0 says so, and the run goes on (a short test of a long config)."""
+    argv = [*base_argv(tiny_dataset, tmp_path), "--train.micro_batch_size=2", "--dry-run"]
+    os.environ.pop("WORLD_SIZE", None)
+    with caplog.at_level(logging.WARNING, logger="train"):
+        assert train.main([*argv, "--train.steps=10", "--optim.warmup_steps=20",
+                           "--metrics.profile_step=11"]) == 0  # fmt: skip
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "optim.warmup_steps (20) > train.steps (10): the learning rate never reaches optim.lr "
+        "(0.003) and never decays",
+        "metrics.profile_step (11) > train.steps (10): nothing will be profiled",
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="train"):
+        assert train.main([*argv, "--train.steps=20", "--optim.warmup_steps=20"]) == 0
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 @pytest.mark.slow

@@ -16,12 +16,13 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from configs import ConfigError
+from configs import ConfigError, parse_config
 from data.loader import (
     DataConfig,
     TokenSequences,
     build_dataloader,
     check_eval_split,
+    check_token_ids,
     open_dataset,
 )
 from data.prepare import find_files, is_val, main, prepare, stdlib_dir
@@ -251,6 +252,46 @@ def test_check_eval_split(dataset: Path) -> None:
     with pytest.raises(ConfigError, match=rf"no shard of it holds one sequence of data.seq_len="
                        rf"{longest} \(\+1 target token\).*train.eval_interval=0"):  # fmt: skip
         check_eval_split(index, longest, global_batch_size=1, eval_batches=1)
+
+
+def test_token_ids_beyond_the_model_vocabulary_name_the_shard(
+    tmp_path: Path, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An id >= the model's embedding rows would fail inside every rank ("index out of range"):
+    one config error naming the shard when the data is opened, before any rank trains. A split
+    up to FULL_SCAN_TOKENS is read whole; a larger one is sampled in blocks."""
+    import data.loader as loader
+    from launch.check import check_config
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+
+    bad = _copy(dataset, tmp_path / "bad")
+    index = open_dataset(bad)
+    check_token_ids(index, index.vocab_size)  # as prepared
+    shard = index.splits["train"][-1]
+    tokens = np.memmap(shard.file, dtype=index.dtype, mode="r+")
+    tokens[123] = 60000
+    tokens.flush()
+    expected = rf"data.path: shard '{shard.file}' \(train\) holds token id 60000 \(the first too "
+    with pytest.raises(
+        ConfigError, match=expected + r"large at token 123\), but the model has 512"
+    ):
+        check_token_ids(index, 512)
+    # Sampled: blocks at both ends and evenly between; one bad id between them goes unseen.
+    monkeypatch.setattr(loader, "FULL_SCAN_TOKENS", 0)
+    monkeypatch.setattr(loader, "SAMPLE_BLOCK", 16)
+    monkeypatch.setattr(loader, "SAMPLE_BLOCKS", 4)
+    check_token_ids(index, 512)
+    tokens[shard.num_tokens - 1] = 60000
+    tokens.flush()
+    at = shard.num_tokens - 1
+    with pytest.raises(ConfigError, match=rf"first too large at token {at}\)"):
+        check_token_ids(index, 512)
+    # As the trainer opens it: check_config, on every rank before the process group.
+    monkeypatch.undo()
+    job = parse_config(JobConfig, [f"--data.path={bad}", "--model.vocab_size=512"])
+    with pytest.raises(ConfigError, match=expected):
+        check_config(job, LaunchEnv(0, 0, 1, 1, 1))
 
 
 def test_trainer_rejects_too_many_eval_batches_at_startup(tmp_path: Path, dataset: Path) -> None:

@@ -256,3 +256,16 @@ def test_two_fresh_starts_within_one_second_set_aside_two_attempts(
         lifecycle.set_aside_earlier_attempt(tmp_path)
     moved = {p.name: (p / "config.toml").read_text() for p in (tmp_path / "previous").iterdir()}
     assert moved == {"20261123-120000": "first", "20261123-120000-2": "second"}
+
+
+def test_end_summary_says_which_step_a_stale_val_loss_is_from() -> None:
+    """A stop between evaluations leaves the last evaluation's loss: the summary names its
+    step, and only then (after the last step's own evaluation it is the run's)."""
+    from launch.metrics import RunSummary
+
+    stopped = RunSummary(32, 100, [2.5, 2.4], 2.61, 4096, 12.0, None, val_step=20)
+    [line, *_] = stopped.lines("SIGTERM", checkpoint_interval=0)
+    assert line.startswith("stopped by SIGTERM after step 32/100, 2 steps in")
+    assert "final loss 2.4000, val_loss 2.6100 (step 20), 4,096 tokens seen" in line
+    done = RunSummary(100, 100, [2.0], 2.1, 4096, 12.0, None, val_step=100)
+    assert "val_loss 2.1000, 4,096" in done.lines(None, checkpoint_interval=0)[0]
