@@ -23,7 +23,10 @@
 # Stop: SIGTERM, SIGINT or SIGUSR1 to this script on every node (it becomes torchrun) makes the
 # ranks finish their step, save a checkpoint and exit.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+# No cd: relative paths (the config, data.path, run.output_dir) are the user's, from where the
+# script is started. The trainer is found by its path; -P keeps a folder of that name in the
+# current directory from shadowing the check's modules.
+repo=$(cd "$(dirname "$0")/.." && pwd)
 
 : "${NNODES:?set NNODES (number of nodes)}"
 : "${MASTER_ADDR:?set MASTER_ADDR (address of node 0, reachable from every node)}"
@@ -67,10 +70,10 @@ case "$RDZV_BACKEND" in
 esac
 
 # Deterministic failures end here, on every node, before any rank starts.
-"$PYTHON" -m launch.check --world-size=$(( NNODES * NPROC )) --nnodes="$NNODES" \
-    --local-world-size="$NPROC" "$@" || exit
+PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -P -m launch.check \
+    --world-size=$(( NNODES * NPROC )) --nnodes="$NNODES" --local-world-size="$NPROC" "$@" || exit
 
 # $TORCHRUN unquoted on purpose: it may be a command with arguments
 # (python -m torch.distributed.run).
 exec $TORCHRUN --nnodes="$NNODES" --nproc-per-node="$NPROC" \
-    "${rdzv[@]}" --max-restarts="${MAX_RESTARTS:-0}" train.py "$@"
+    "${rdzv[@]}" --max-restarts="${MAX_RESTARTS:-0}" "$repo/train.py" "$@"

@@ -14,7 +14,10 @@
 # Stop: SIGTERM, SIGINT or SIGUSR1 to this script (it becomes torchrun) makes the ranks finish
 # their step, save a checkpoint and exit; torchrun then exits 1 with a SignalException.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+# No cd: relative paths (the config, data.path, run.output_dir) are the user's, from where the
+# script is started. The trainer is found by its path; -P keeps a folder of that name in the
+# current directory from shadowing the check's modules.
+repo=$(cd "$(dirname "$0")/.." && pwd)
 
 TORCHRUN=${TORCHRUN:-torchrun}
 torchrun_path=$(command -v "${TORCHRUN%% *}" || true)
@@ -40,7 +43,8 @@ fi
 
 # A config error (or missing data, a run folder in use...): one line, exit status 2, no rank
 # started and nothing to retry.
-"$PYTHON" -m launch.check --world-size="$NPROC" "$@" || exit
+PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -P -m launch.check \
+    --world-size="$NPROC" "$@" || exit
 # A restart gets a fresh rendezvous store: with the store of the first round, gloo dials the
 # dead ranks' ports ("Gloo connectFullMesh failed").
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
@@ -51,4 +55,4 @@ export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQ
 # $TORCHRUN unquoted on purpose: it may be a command with arguments
 # (python -m torch.distributed.run).
 exec $TORCHRUN --standalone --nproc-per-node="$NPROC" --max-restarts="${MAX_RESTARTS:-0}" \
-    train.py "$@"
+    "$repo/train.py" "$@"

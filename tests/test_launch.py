@@ -280,6 +280,67 @@ def test_missing_torchrun_is_one_line(tmp_path: Path) -> None:
         assert result.stderr.count("\n") == 1 and "no-torchrun' not found" in result.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["torchrun.sh", "multinode.sh"])
+def test_launchers_resolve_relative_paths_from_where_they_are_started(
+    tiny_dataset: str, tmp_path: Path, script: str
+) -> None:
+    """`cd elsewhere && /path/to/launch/SCRIPT my.toml`: the config, data.path and
+    run.output_dir are the user's relative paths, from the user's directory, not the repo's.
+    (hsdp.sbatch: test_sbatch_hsdp_two_nodes_trains_checkpoints_and_resumes submits from a
+    folder of its own.) A folder named like the trainer's packages there shadows nothing."""
+    (tmp_path / "data").symlink_to(tiny_dataset)
+    (tmp_path / "launch").mkdir()  # would shadow `-m launch.check` if the cwd came first
+    (tmp_path / "launch" / "check.py").write_text("raise SystemExit('shadowed')\n")
+    (tmp_path / "my.toml").write_text(
+        '[run]\nname = "here"\noutput_dir = "runs"\n[data]\npath = "data"\n'
+    )
+    args = ["my.toml", *TINY, "--parallel.mesh=auto", "--train.micro_batch_size=2",
+            "--train.steps=2", "--train.eval_interval=0",
+            "--parallel.param_dtype=float32"]  # fmt: skip
+    env = ENV | {"NPROC": "2"}
+    if script == "multinode.sh":
+        port = str(free_port())
+        env |= {"NNODES": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                "TORCHRUN": TORCHRUN}  # fmt: skip
+    result = subprocess.run([str(ROOT / "launch" / script), *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    assert step_logged(2, log), log[-4000:]
+    assert (tmp_path / "runs" / "here" / "config.toml").is_file()
+    assert not (ROOT / "runs").exists()
+
+
+def test_hsdp_sbatch_outside_slurm_is_one_line(tmp_path: Path) -> None:
+    """`bash launch/hsdp.sbatch` (no sbatch) has no job, no nodes and no srun: say so."""
+    env = {k: v for k, v in ENV.items() if not k.startswith("SLURM_")}
+    script = str(ROOT / "launch" / "hsdp.sbatch")
+    result = subprocess.run(["bash", script, "configs/debug.toml"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "submit it with sbatch" in result.stderr
+
+
+@pytest.mark.slow
+def test_plain_torchrun_with_a_missing_interface_is_one_line_per_node(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Plain torchrun (no launch script checked the interface): train.py checks it before
+    init_process_group, instead of every rank failing inside gloo."""
+    args = tiny_args(tiny_dataset, tmp_path, "--train.steps=2")
+    result = subprocess.run(
+        [*TORCHRUN.split(), "--standalone", "--nproc-per-node=2", "train.py", *args], cwd=ROOT,
+        env=ENV | {"GLOO_SOCKET_IFNAME": "nosuchif0"}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    log = result.stdout + result.stderr
+    assert result.returncode != 0
+    lines = [line for line in log.splitlines() if "network error: GLOO_SOCKET_IFNAME" in line]
+    assert len(lines) == 1 and "nosuchif0" in lines[0], log[-4000:]
+    assert "[rank0]" in lines[0] and "gloo" not in log.lower().replace("gloo_socket", ""), log
+
+
 # ---- Stop signals, restarts and a dying launcher under launch/torchrun.sh --------------------
 
 # checkpoint.interval far beyond the run: only a stop can save anything.
