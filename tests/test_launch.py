@@ -281,12 +281,13 @@ def test_missing_torchrun_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["torchrun.sh", "multinode.sh"])
+@pytest.mark.parametrize("script", ["train.py", "torchrun.sh", "multinode.sh"])
 def test_launchers_resolve_relative_paths_from_where_they_are_started(
     tiny_dataset: str, tmp_path: Path, script: str
 ) -> None:
-    """`cd elsewhere && /path/to/launch/SCRIPT my.toml`: the config, data.path and
-    run.output_dir are the user's relative paths, from the user's directory, not the repo's.
+    """`cd elsewhere && /path/to/launch/SCRIPT my.toml` (or `python /path/to/train.py`): the
+    config, data.path and run.output_dir are the user's relative paths, from the user's
+    directory, not the repo's.
     (hsdp.sbatch: test_sbatch_hsdp_two_nodes_trains_checkpoints_and_resumes submits from a
     folder of its own.) A folder named like the trainer's packages there shadows nothing."""
     (tmp_path / "data").symlink_to(tiny_dataset)
@@ -303,8 +304,13 @@ def test_launchers_resolve_relative_paths_from_where_they_are_started(
         port = str(free_port())
         env |= {"NNODES": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                 "TORCHRUN": TORCHRUN}  # fmt: skip
-    result = subprocess.run([str(ROOT / "launch" / script), *args], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    cmd = (
+        [sys.executable, str(ROOT / script)]
+        if script == "train.py"
+        else [str(ROOT / "launch" / script)]
+    )
+    result = subprocess.run([*cmd, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
     assert step_logged(2, log), log[-4000:]
