@@ -1,8 +1,9 @@
 """The trainer with --model.name=qwen3_moe: fp32 losses, grad norms and aux losses equal on every
 mesh (1 process with gradient accumulation, FSDP, HSDP, tp 2 on attention, expert parallel with
-FSDP and with HSDP), expert-parallel checkpoints resumed without EP, the aux loss and expert
-load in TensorBoard, bad input, and Hugging Face in and out (a random transformers MoE trains
-through init_from_hf; its export gives the trainer's val loss in transformers)."""
+FSDP accumulating micro-batches and with HSDP), expert-parallel checkpoints resumed without EP,
+the aux loss and expert load in TensorBoard, bad input, and Hugging Face in and out (a random
+transformers MoE trains through init_from_hf; its export gives the trainer's val loss in
+transformers)."""
 
 from __future__ import annotations
 
@@ -87,11 +88,15 @@ def test_parity_fsdp_hsdp_and_tp_on_attention(straight: dict, tiny_dataset: str)
 def test_expert_parallel_parity_and_its_checkpoint_resumes_without_ep(
     straight: dict, tiny_dataset: str
 ) -> None:
-    """EP 2 x FSDP 2 and HSDP 2x2 with EP 2 (and full AC) give the 1-process run; EP 2's
-    checkpoint of step 3 continues at EP 1 (FSDP 1x2) and on 1 process with the straight run's
-    losses. TensorBoard holds the aux loss and every layer's expert load each step."""
+    """EP 2 x FSDP 2 accumulating 2 micro-batches of 1 per rank, and HSDP 2x2 with EP 2 (1
+    micro-batch per rank, full AC), give the 1-process run; EP 2's checkpoint of step 3
+    continues at EP 1 (FSDP 1x2) and on 1 process with the straight run's losses. TensorBoard
+    holds the aux loss and every layer's expert load each step."""
     out = straight["out"]
-    ep = train(tiny_dataset, out, "ep", 4, "--parallel.ep=2", "--checkpoint.interval=3")
+    # Micro-batches of 1: the all-to-alls run in every micro-batch's forward and backward while
+    # the expert gradients accumulate unsharded, reduce-scattered after the last one only.
+    ep = train(tiny_dataset, out, "ep", 4, "--parallel.ep=2", "--train.micro_batch_size=1",
+               "--checkpoint.interval=3")  # fmt: skip
     assert_same_run(ep, straight)
     # Full AC recomputes each block's forward in backward, all-to-alls included.
     hsdp_ep = train(tiny_dataset, out, "hsdp_ep", 4, "--parallel.ep=2", "--ac.mode=full", nodes=2)
