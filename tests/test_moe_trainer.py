@@ -1,9 +1,9 @@
 """The trainer with --model.name=qwen3_moe: fp32 losses, grad norms and aux losses equal on every
 mesh (1 process with gradient accumulation, FSDP, HSDP, tp 2 on attention, expert parallel with
 FSDP accumulating micro-batches and with HSDP), expert-parallel checkpoints resumed without EP,
-the aux loss and expert load in TensorBoard, bad input, and Hugging Face in and out (a random
-transformers MoE trains through init_from_hf; its export gives the trainer's val loss in
-transformers)."""
+train.freeze and LoRA under expert parallel, the aux loss and expert load in TensorBoard, bad
+input, and Hugging Face in and out (a random transformers MoE trains through init_from_hf; its
+export gives the trainer's val loss in transformers)."""
 
 from __future__ import annotations
 
@@ -137,6 +137,46 @@ def test_compile_and_ac_keep_the_losses(straight: dict, tiny_dataset: str) -> No
     assert op_ac["losses"] == straight["losses"] and op_ac["grad_norm"] == straight["grad_norm"]
     assert_same_run(train(tiny_dataset, out, "compiled", 1, "--compile.enabled", "--ac.mode=op"),
                     straight)  # fmt: skip
+
+
+# Block 0 and the embedding frozen (block 0 leaves backward, its all-to-alls too); block 1's
+# experts frozen while its attention and router train (backward still crosses its all-to-alls).
+FREEZE = "--train.freeze=tok_embeddings.*,layers.0.*,layers.1.moe.experts.*"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tune", [FREEZE, "--lora.enabled=true"], ids=["freeze", "lora"])
+def test_freeze_and_lora_under_expert_parallel(
+    tiny_dataset: str, tmp_path: Path, tune: str
+) -> None:
+    """train.freeze and LoRA (adapters on attention: the experts are not Linear layers, so LoRA
+    freezes them) with EP 2 on 2 ranks give the 1-process losses, grad norms and aux losses;
+    the loss falls. Its checkpoint holds every frozen parameter as initialized, bitwise, every
+    trainable one moved, and optimizer state for the trainable ones only."""
+    from tests.test_finetune import load_entries
+
+    want = train(tiny_dataset, tmp_path, "one", 1, tune)
+    got = train(tiny_dataset, tmp_path, "ep", 2, tune, "--parallel.ep=2",
+                f"--checkpoint.interval={STEPS}")  # fmt: skip
+    assert_same_run(got, want)
+    assert got["losses"][-1] < got["losses"][0] - 0.2, got["losses"]
+
+    saved = load_entries(tmp_path / "ep" / "checkpoints" / f"step-{STEPS}", ("model", "optimizer"))
+    job = parse_config(JobConfig, argv(tiny_dataset, tmp_path, "x"))
+    initial = FAMILIES["qwen3_moe"].build_model(build_args(job.model))
+    initial.init_weights(seed=0, rope_len=job.data.seq_len)
+    if tune == FREEZE:
+        frozen = ("tok_embeddings.", "layers.0.", "layers.1.moe.experts.")
+        trainable = {n for n, _ in initial.named_parameters() if not n.startswith(frozen)}
+    else:
+        trainable = {n for n in saved["model"] if ".lora_" in n}
+        assert trainable == {f"layers.{i}.attention.{w}.lora_{ab}.weight" for i in range(2)
+                             for w in ("wq", "wk", "wv", "wo") for ab in "ab"}  # fmt: skip
+    assert set(saved["optimizer"]["state"]) == trainable
+    for name, param in initial.named_parameters():
+        assert torch.equal(saved["model"][name], param.detach()) == (name not in trainable), name
+    for name in (n for n in trainable if ".lora_b." in n):  # LoRA's B starts at 0
+        assert saved["model"][name].abs().max() > 0, name
 
 
 # ---- bad input -----------------------------------------------------------------------------
