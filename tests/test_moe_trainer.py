@@ -1,9 +1,9 @@
 """The trainer with --model.name=qwen3_moe: fp32 losses, grad norms and aux losses equal on every
-mesh (1 process with gradient accumulation, FSDP, HSDP, tp 2 on attention, expert parallel with
-FSDP accumulating micro-batches and with HSDP), expert-parallel checkpoints resumed without EP,
-train.freeze and LoRA under expert parallel, the aux loss and expert load in TensorBoard, bad
-input, and Hugging Face in and out (a random transformers MoE trains through init_from_hf; its
-export gives the trainer's val loss in transformers)."""
+mesh (1 process with gradient accumulation, FSDP, HSDP, tp 2 on attention, expert parallel with FSDP
+accumulating micro-batches and with HSDP), expert-parallel checkpoints resumed without EP,
+train.freeze and LoRA under expert parallel, the aux loss and expert load in TensorBoard (every step
+and every 4), bad input, and Hugging Face in and out (a random transformers MoE trains through
+init_from_hf; its export gives the trainer's val loss in transformers)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,9 @@ def test_expert_parallel_parity_and_its_checkpoint_resumes_without_ep(
     """EP 2 x FSDP 2 accumulating 2 micro-batches of 1 per rank, and HSDP 2x2 with EP 2 (1
     micro-batch per rank, full AC), give the 1-process run; EP 2's checkpoint of step 3
     continues at EP 1 (FSDP 1x2) and on 1 process with the straight run's losses. TensorBoard
-    holds the aux loss and every layer's expert load each step."""
+    holds the aux loss and every layer's expert load each step at log_interval 1; at 4, on
+    steps 4 and 6 (the last), with the aux loss of that step and the load summed since the
+    previous point."""
     out = straight["out"]
     # Micro-batches of 1: the all-to-alls run in every micro-batch's forward and backward while
     # the expert gradients accumulate unsharded, reduce-scattered after the last one only.
@@ -99,8 +101,11 @@ def test_expert_parallel_parity_and_its_checkpoint_resumes_without_ep(
                "--checkpoint.interval=3")  # fmt: skip
     assert_same_run(ep, straight)
     # Full AC recomputes each block's forward in backward, all-to-alls included.
-    hsdp_ep = train(tiny_dataset, out, "hsdp_ep", 4, "--parallel.ep=2", "--ac.mode=full", nodes=2)
-    assert_same_run(hsdp_ep, straight)
+    hsdp_ep = train(tiny_dataset, out, "hsdp_ep", 4, "--parallel.ep=2", "--ac.mode=full",
+                    "--metrics.log_interval=4", nodes=2)  # fmt: skip
+    assert_close(hsdp_ep["losses"], straight["losses"], rtol=1e-5)
+    for tag in ("grad_norm", "loss/aux"):  # steps 4 and 6
+        assert_close(hsdp_ep[tag], [straight[tag][3], straight[tag][5]], rtol=1e-5)
     step3 = out / "ep" / "checkpoints" / "step-3"
     # Its keys and shapes are the model's own: whole experts, as without EP.
     from torch.distributed.checkpoint import FileSystemReader
@@ -126,6 +131,18 @@ def test_expert_parallel_parity_and_its_checkpoint_resumes_without_ep(
                                    ep["expert_load/max_over_mean_layer01"], strict=True)]
     )  # fmt: skip
     assert all(a > 0 and math.isfinite(a) for a in ep["loss/aux"])
+    # Every 4 steps: the load of steps 1-4, then of 5-6. Each step routes the same number of
+    # tokens, so a window's busiest expert over the mean is at most the mean of its steps'
+    # ratios (the max of a sum is at most the sum of the maxima); the last step's alone can
+    # exceed it.
+    for layer in range(2):
+        ratio = hsdp_ep[f"expert_load/max_over_mean_layer{layer:02d}"]
+        share = hsdp_ep[f"expert_load/busiest_share_layer{layer:02d}"]
+        steps = straight[f"expert_load/max_over_mean_layer{layer:02d}"]
+        assert len(ratio) == len(share) == 2 and all(s >= 1 / 4 for s in share), share
+        assert share == pytest.approx([r / 4 for r in ratio])
+        for got, window in zip(ratio, (steps[:4], steps[4:]), strict=True):
+            assert 1 <= got <= sum(window) / len(window) + 1e-6, (got, window)
 
 
 @pytest.mark.slow
