@@ -1,8 +1,9 @@
 """The trainer with --model.name=qwen3_moe: fp32 losses, grad norms and aux losses equal on every
-mesh (1 process with gradient accumulation, FSDP, HSDP, tp 2 on attention, expert parallel with
-FSDP and with HSDP), expert-parallel checkpoints resumed without EP, the aux loss and expert
-load in TensorBoard, bad input, and Hugging Face in and out (a random transformers MoE trains
-through init_from_hf; its export gives the trainer's val loss in transformers)."""
+mesh (1 process with gradient accumulation, FSDP, HSDP, tp 2 on attention, expert parallel with FSDP
+accumulating micro-batches and with HSDP), expert-parallel checkpoints resumed without EP,
+train.freeze and LoRA under expert parallel, the aux loss and expert load in TensorBoard (every step
+and every 4), bad input, and Hugging Face in and out (a random transformers MoE trains through
+init_from_hf; its export gives the trainer's val loss in transformers)."""
 
 from __future__ import annotations
 
@@ -87,15 +88,24 @@ def test_parity_fsdp_hsdp_and_tp_on_attention(straight: dict, tiny_dataset: str)
 def test_expert_parallel_parity_and_its_checkpoint_resumes_without_ep(
     straight: dict, tiny_dataset: str
 ) -> None:
-    """EP 2 x FSDP 2 and HSDP 2x2 with EP 2 (and full AC) give the 1-process run; EP 2's
-    checkpoint of step 3 continues at EP 1 (FSDP 1x2) and on 1 process with the straight run's
-    losses. TensorBoard holds the aux loss and every layer's expert load each step."""
+    """EP 2 x FSDP 2 accumulating 2 micro-batches of 1 per rank, and HSDP 2x2 with EP 2 (1
+    micro-batch per rank, full AC), give the 1-process run; EP 2's checkpoint of step 3
+    continues at EP 1 (FSDP 1x2) and on 1 process with the straight run's losses. TensorBoard
+    holds the aux loss and every layer's expert load each step at log_interval 1; at 4, on
+    steps 4 and 6 (the last), with the aux loss of that step and the load summed since the
+    previous point."""
     out = straight["out"]
-    ep = train(tiny_dataset, out, "ep", 4, "--parallel.ep=2", "--checkpoint.interval=3")
+    # Micro-batches of 1: the all-to-alls run in every micro-batch's forward and backward while
+    # the expert gradients accumulate unsharded, reduce-scattered after the last one only.
+    ep = train(tiny_dataset, out, "ep", 4, "--parallel.ep=2", "--train.micro_batch_size=1",
+               "--checkpoint.interval=3")  # fmt: skip
     assert_same_run(ep, straight)
     # Full AC recomputes each block's forward in backward, all-to-alls included.
-    hsdp_ep = train(tiny_dataset, out, "hsdp_ep", 4, "--parallel.ep=2", "--ac.mode=full", nodes=2)
-    assert_same_run(hsdp_ep, straight)
+    hsdp_ep = train(tiny_dataset, out, "hsdp_ep", 4, "--parallel.ep=2", "--ac.mode=full",
+                    "--metrics.log_interval=4", nodes=2)  # fmt: skip
+    assert_close(hsdp_ep["losses"], straight["losses"], rtol=1e-5)
+    for tag in ("grad_norm", "loss/aux"):  # steps 4 and 6
+        assert_close(hsdp_ep[tag], [straight[tag][3], straight[tag][5]], rtol=1e-5)
     step3 = out / "ep" / "checkpoints" / "step-3"
     # Its keys and shapes are the model's own: whole experts, as without EP.
     from torch.distributed.checkpoint import FileSystemReader
@@ -121,6 +131,18 @@ def test_expert_parallel_parity_and_its_checkpoint_resumes_without_ep(
                                    ep["expert_load/max_over_mean_layer01"], strict=True)]
     )  # fmt: skip
     assert all(a > 0 and math.isfinite(a) for a in ep["loss/aux"])
+    # Every 4 steps: the load of steps 1-4, then of 5-6. Each step routes the same number of
+    # tokens, so a window's busiest expert over the mean is at most the mean of its steps'
+    # ratios (the max of a sum is at most the sum of the maxima); the last step's alone can
+    # exceed it.
+    for layer in range(2):
+        ratio = hsdp_ep[f"expert_load/max_over_mean_layer{layer:02d}"]
+        share = hsdp_ep[f"expert_load/busiest_share_layer{layer:02d}"]
+        steps = straight[f"expert_load/max_over_mean_layer{layer:02d}"]
+        assert len(ratio) == len(share) == 2 and all(s >= 1 / 4 for s in share), share
+        assert share == pytest.approx([r / 4 for r in ratio])
+        for got, window in zip(ratio, (steps[:4], steps[4:]), strict=True):
+            assert 1 <= got <= sum(window) / len(window) + 1e-6, (got, window)
 
 
 @pytest.mark.slow
@@ -132,6 +154,46 @@ def test_compile_and_ac_keep_the_losses(straight: dict, tiny_dataset: str) -> No
     assert op_ac["losses"] == straight["losses"] and op_ac["grad_norm"] == straight["grad_norm"]
     assert_same_run(train(tiny_dataset, out, "compiled", 1, "--compile.enabled", "--ac.mode=op"),
                     straight)  # fmt: skip
+
+
+# Block 0 and the embedding frozen (block 0 leaves backward, its all-to-alls too); block 1's
+# experts frozen while its attention and router train (backward still crosses its all-to-alls).
+FREEZE = "--train.freeze=tok_embeddings.*,layers.0.*,layers.1.moe.experts.*"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tune", [FREEZE, "--lora.enabled=true"], ids=["freeze", "lora"])
+def test_freeze_and_lora_under_expert_parallel(
+    tiny_dataset: str, tmp_path: Path, tune: str
+) -> None:
+    """train.freeze and LoRA (adapters on attention: the experts are not Linear layers, so LoRA
+    freezes them) with EP 2 on 2 ranks give the 1-process losses, grad norms and aux losses;
+    the loss falls. Its checkpoint holds every frozen parameter as initialized, bitwise, every
+    trainable one moved, and optimizer state for the trainable ones only."""
+    from tests.test_finetune import load_entries
+
+    want = train(tiny_dataset, tmp_path, "one", 1, tune)
+    got = train(tiny_dataset, tmp_path, "ep", 2, tune, "--parallel.ep=2",
+                f"--checkpoint.interval={STEPS}")  # fmt: skip
+    assert_same_run(got, want)
+    assert got["losses"][-1] < got["losses"][0] - 0.2, got["losses"]
+
+    saved = load_entries(tmp_path / "ep" / "checkpoints" / f"step-{STEPS}", ("model", "optimizer"))
+    job = parse_config(JobConfig, argv(tiny_dataset, tmp_path, "x"))
+    initial = FAMILIES["qwen3_moe"].build_model(build_args(job.model))
+    initial.init_weights(seed=0, rope_len=job.data.seq_len)
+    if tune == FREEZE:
+        frozen = ("tok_embeddings.", "layers.0.", "layers.1.moe.experts.")
+        trainable = {n for n, _ in initial.named_parameters() if not n.startswith(frozen)}
+    else:
+        trainable = {n for n in saved["model"] if ".lora_" in n}
+        assert trainable == {f"layers.{i}.attention.{w}.lora_{ab}.weight" for i in range(2)
+                             for w in ("wq", "wk", "wv", "wo") for ab in "ab"}  # fmt: skip
+    assert set(saved["optimizer"]["state"]) == trainable
+    for name, param in initial.named_parameters():
+        assert torch.equal(saved["model"][name], param.detach()) == (name not in trainable), name
+    for name in (n for n in trainable if ".lora_b." in n):  # LoRA's B starts at 0
+        assert saved["model"][name].abs().max() > 0, name
 
 
 # ---- bad input -----------------------------------------------------------------------------
