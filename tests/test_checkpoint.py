@@ -25,6 +25,7 @@ import train
 from checkpoint import COMPLETE
 from checkpoint.integrity import ChecksummingWriter, check_files, read_manifest, verify_files
 from launch.check import check_config
+from launch.check import main as launch_check
 from launch.job import JobConfig
 from parallel.dims import LaunchEnv
 from tests.distributed import run_distributed
@@ -484,7 +485,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
 
 @pytest.mark.parametrize("kind", DAMAGE_KINDS)
 def test_damaged_explicit_checkpoint_is_one_config_error(
-    sync_run: tuple[list, Path], tiny_dataset: str, kind: str
+    sync_run: tuple[list, Path], tiny_dataset: str, kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """checkpoint.resume=<damaged path> is never replaced by another: exit 2, one line naming
     the file, no traceback (the flipped byte is found after the process group exists). The
@@ -504,16 +505,11 @@ def test_damaged_explicit_checkpoint_is_one_config_error(
     assert "the checkpoint is damaged" in error
     assert "Traceback" not in result.stderr
 
-    check = subprocess.run(
-        [sys.executable, "-m", "launch.check", "--world-size=2", *args,
-         f"--checkpoint.resume={damaged}"],
-        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
-        check=False,
-    )  # fmt: skip
-    assert check.returncode == 2, check.stderr[-3000:]
-    [error] = lines_with(check.stderr, "ERROR")
-    assert f"config error: checkpoint.resume: {damaged / file} " in error
-    assert "Traceback" not in check.stderr
+    # The launchers' check (one process, before any rank): the same line, for every kind.
+    caplog.clear()
+    assert launch_check(["--world-size=2", *args, f"--checkpoint.resume={damaged}"]) == 2
+    [error] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert error.startswith(f"config error: checkpoint.resume: {damaged / file} "), error
 
 
 @pytest.mark.slow
