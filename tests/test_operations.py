@@ -5,6 +5,7 @@ Each test drives train.py as a user does (a subprocess, real signals, files on d
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import train
 from launch.lifecycle import RunLock
 from tests.test_train import TINY
 
@@ -170,7 +172,7 @@ def test_lock_of_a_dead_holder_is_stale(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_resume_applies_what_may_change_and_rejects_what_may_not(
-    tiny_dataset: str, tmp_path: Path
+    tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     first = train_cli(argv(tiny_dataset, tmp_path, "--train.steps=4", "--checkpoint.interval=4"))
     assert first.returncode == 0, first.stderr[-3000:]
@@ -187,29 +189,42 @@ def test_resume_applies_what_may_change_and_rejects_what_may_not(
     assert written["optim"]["lr"] == 0.5
 
     # What would change the model's math or the data stream mid-run: one line, exit 2.
+    # (train.main in this process: the refusal comes before any process group, like every
+    # config error, and a process per case would only add its start-up.)
+    os.environ.pop("WORLD_SIZE", None)  # this process is a 1-rank launch
     for bad, shown in [
         ("--data.seq_len=16", "data.seq_len: 32 -> 16"),
         ("--train.seed=1", "train.seed: 0 -> 1"),
         ("--model.norm_eps=0.001", "model.norm_eps"),
     ]:
-        result = train_cli([*args, "--train.steps=8", bad])
-        assert result.returncode == 2, (bad, result.stderr[-2000:])
-        [line] = [ln for ln in result.stderr.splitlines() if "ERROR" in ln]
-        assert "config error: resuming" in line and shown in line, line
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="train"):
+            assert train.main([*args, "--train.steps=8", bad]) == 2, bad
+        [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert line.startswith("config error: resuming") and shown in line, line
 
 
-@pytest.mark.slow
-def test_early_checks_before_any_rank_starts(tiny_dataset: str, tmp_path: Path) -> None:
+def test_early_checks_before_any_rank_starts(
+    tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each a config error of train.main before any process group (in this process)."""
+    os.environ.pop("WORLD_SIZE", None)
+
+    def error(*extra: str) -> str:
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="train"):
+            assert train.main(argv(tiny_dataset, tmp_path, *extra)) == 2
+        [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        return line
+
     # An fp8.skip entry that matches no layer would silently convert the layer meant to stay.
-    result = train_cli(argv(tiny_dataset, tmp_path, "--fp8.enabled=true", "--fp8.skip=outptu"))
-    assert result.returncode == 2
-    assert "config error: fp8.skip: outptu matches no Linear layer" in result.stderr
+    line = error("--fp8.enabled=true", "--fp8.skip=outptu")
+    assert line.startswith("config error: fp8.skip: outptu matches no Linear layer"), line
 
     # resume=none next to existing checkpoints would prune them: refused.
     (tmp_path / "debug" / "checkpoints" / "step-4").mkdir(parents=True)
     (tmp_path / "debug" / "checkpoints" / "step-4" / "COMPLETE").write_text("step 4\n")
-    result = train_cli(argv(tiny_dataset, tmp_path, "--checkpoint.resume=none"))
-    assert result.returncode == 2 and "already has checkpoints" in result.stderr
+    assert "already has checkpoints" in error("--checkpoint.resume=none")
 
 
 @pytest.mark.slow
