@@ -40,6 +40,7 @@ from checkpoint.integrity import (
 from checkpoint.layout import (
     CheckpointConfig,
     complete_checkpoints,
+    existing_ancestor,
     is_complete,
     list_step_dirs,
     step_dir,
@@ -69,9 +70,7 @@ class _InFlight:
 def warn_if_low_space(folder: Path, checkpoint_bytes: int) -> None:
     """Warn (rank 0, at startup) when the checkpoint folder's file system has less free space
     than one checkpoint of this run: its first save would fail hours from now otherwise."""
-    where = folder
-    while not where.exists() and where != where.parent:  # the folder may not exist yet
-        where = where.parent
+    where = existing_ancestor(folder)  # the folder may not exist yet
     free = shutil.disk_usage(where).free
     if free < checkpoint_bytes:
         logger.warning(

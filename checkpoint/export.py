@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 
 from checkpoint.hf import INDEX_FILE, MAX_SHARD_BYTES, save_hf_weights
+from checkpoint.layout import existing_ancestor
 from checkpoint.peft import ADAPTER_FILES, save_peft_adapters
 from checkpoint.state import MODEL, load_no_dist, read_run_config
 from configs import ConfigError
@@ -139,9 +140,7 @@ def _check_out_dir(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} exists and is not a directory")
     # Loading a large checkpoint takes minutes: find an unwritable target before, not after.
-    where = out
-    while not where.exists() and where != where.parent:
-        where = where.parent
+    where = existing_ancestor(out)
     if not where.is_dir():
         raise ConfigError(f"cannot create {out}: {where} is a file, not a directory")
     # os.access asks the kernel, so a read-only mount fails it even for root.

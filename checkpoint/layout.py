@@ -75,6 +75,14 @@ def checkpoint_folder(cfg: CheckpointConfig, run_dir: Path) -> Path:
     return run_dir / cfg.folder  # an absolute cfg.folder replaces run_dir
 
 
+def existing_ancestor(path: Path) -> Path:
+    """`path` itself if it exists, else its nearest existing parent: where a folder that is not
+    there yet would be created (its file system, its permissions)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def step_dir(folder: Path, step: int) -> Path:
     return folder / f"step-{step}"
 
