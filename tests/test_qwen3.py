@@ -400,7 +400,6 @@ def test_debug_flavor_trains_on_cpu(tied: bool) -> None:
 # tests/test_train.py's tiny shape (dim 64, 2 layers, 4 heads, 2 kv heads, vocab 512) on the
 # debug flavor: head_dim 32 (attention 128 wide), tied embeddings; ffn_dim 128.
 QWEN = ["--model.name=qwen3", "--model.ffn_dim=128"]
-GOLDEN = Path(__file__).parent / "golden" / "qwen3_debug_losses.json"
 
 
 def run_argv(dataset: str, out: Path, name: str, *extra: str) -> list[str]:
@@ -454,28 +453,6 @@ def test_trainer_init_from_hf_equals_load_model_only(
         run_distributed(train_losses, 2, from_hf)[0]
         == run_distributed(train_losses, 2, from_dcp)[0]
     )
-
-
-@pytest.mark.slow
-def test_trainer_golden_losses_debug_flavor(tiny_dataset: str, tmp_path: Path) -> None:
-    """The debug flavor's first 20 losses match tests/golden/qwen3_debug_losses.json.
-
-    After an intended numerics change, regenerate with UPDATE_GOLDEN=1 and review the diff.
-    """
-    argv = [
-        f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", "--model.name=qwen3",
-        "--model.flavor=debug", "--model.vocab_size=512", "--data.seq_len=64",
-        "--train.global_batch_size=4", "--train.micro_batch_size=4", "--train.steps=20",
-        "--optim.warmup_steps=5", "--optim.lr=1e-3", "--train.eval_interval=0",
-        "--metrics.tensorboard=false", *FP32,
-    ]  # fmt: skip
-    losses = run_distributed(train_losses, 1, argv)[0]
-    if os.environ.get("UPDATE_GOLDEN"):
-        GOLDEN.write_text(json.dumps({"argv": argv[2:], "losses": losses}, indent=1) + "\n")
-    golden = json.loads(GOLDEN.read_text())
-    assert golden["argv"] == argv[2:], "the golden file was made with other settings"
-    # Different CPUs sum matmuls in different orders; 20 steps amplify that to ~1e-5.
-    assert_close(losses, golden["losses"], rtol=1e-4)
 
 
 @pytest.mark.parametrize(

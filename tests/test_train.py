@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,6 @@ TINY = [
     "--metrics.log_interval=100",
 ]
 FP32 = ["--parallel.param_dtype=float32"]
-GOLDEN = Path(__file__).parent / "golden" / "debug_losses.json"
 
 
 def train_losses(argv: list[str]) -> list[float]:
@@ -114,36 +111,6 @@ def test_profile_step_writes_trace_and_table_per_rank(tiny_dataset: str, tmp_pat
         table = (out / f"step2_rank{rank}.txt").read_text()
         assert "aten::mm" in table and "FSDP::all_gather" in table
         assert '"traceEvents"' in (out / f"step2_rank{rank}.json").read_text()
-
-
-def test_golden_losses_debug_model(tiny_dataset: str, tmp_path: Path) -> None:
-    """The debug flavor's first 20 losses match the stored golden file.
-
-    After an intended numerics change, regenerate with UPDATE_GOLDEN=1 and review the diff.
-    """
-    argv = [
-        f"--data.path={tiny_dataset}",
-        f"--run.output_dir={tmp_path}",
-        "--model.flavor=debug",
-        "--model.vocab_size=512",
-        "--data.seq_len=64",
-        "--train.global_batch_size=4",
-        "--train.micro_batch_size=4",
-        "--train.steps=20",
-        "--optim.warmup_steps=5",
-        "--optim.lr=1e-3",
-        "--train.eval_interval=0",
-        "--metrics.tensorboard=false",
-        *FP32,
-    ]
-    losses = run_distributed(train_losses, 1, argv)[0]
-    if os.environ.get("UPDATE_GOLDEN"):
-        GOLDEN.parent.mkdir(exist_ok=True)
-        GOLDEN.write_text(json.dumps({"argv": argv[2:], "losses": losses}, indent=1) + "\n")
-    golden = json.loads(GOLDEN.read_text())
-    assert golden["argv"] == argv[2:], "the golden file was made with other settings"
-    # Different CPUs sum matmuls in different orders; 20 steps amplify that to ~1e-5.
-    assert_close(losses, golden["losses"], rtol=1e-4)
 
 
 @pytest.mark.slow
