@@ -17,8 +17,10 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -53,31 +55,29 @@ from launch.metrics import (
     RunSummary,
     ThroughputMeter,
     Timer,
-    expert_load_scalars,
     memory_stats,
     peak_tflops,
     profile_step,
 )
 from launch.preflight import network_problem
-from model import count_params, get_hf_mapping, moe_family
-from parallel.ac import apply_ac
-from parallel.compile import apply_compile, compile_loss
+from model import count_params, get_hf_mapping
+from parallel.build import BuiltModel, build_model
+from parallel.compile import compile_loss
 from parallel.dims import LaunchEnv
-from parallel.ep import apply_ep, build_expert_mesh
-from parallel.float8 import apply_float8, precompute_float8_scales
-from parallel.freeze import apply_freeze
-from parallel.fsdp import apply_fsdp, assign_local_shard, reshard_plan
-from parallel.lora import adapter_names, apply_lora, init_lora
+from parallel.ep import build_expert_mesh
+from parallel.fsdp import assign_local_shard, reshard_plan
+from parallel.lora import adapter_names, init_lora
 from parallel.runtime import (
     build_mesh,
-    dp_mesh,
     dp_rank_and_size,
     init_distributed,
     launched_by_torchrun,
     pick_device,
 )
-from parallel.tp import apply_tp, loss_context
-from parallel.workarounds import tp_compile_workarounds
+from parallel.tp import loss_context
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 logger = logging.getLogger("train")
 
@@ -172,75 +172,115 @@ def train(
         dist.destroy_process_group()
 
 
+@dataclass
+class Run:
+    """What a run holds from setup to its last step: the model as it trains, its optimizer and
+    data, where it saves and logs, and the step's progress."""
+
+    job: JobConfig
+    plan: Plan
+    env: LaunchEnv
+    built: BuiltModel
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    device: torch.device
+    dp_rank: int
+    dp_size: int
+    to_batch: Callable[..., MicroBatch]
+    progress: TrainState = field(default_factory=TrainState)
+    keep_gathered: bool = False
+    """Every block stays gathered between micro-batches (see `setup`)."""
+    skipped_in_a_row: int = 0
+    """Steps in a row whose update the non-finite policy skipped."""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.built.model
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    stop: bool
+    """Some rank was asked to stop: every rank stops after this step."""
+    scalars: dict[str, float]
+    """The model's own scalars to log (the family's step terms), at a log step."""
+
+
 def _train(
     job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device, stop: StopRequest
 ) -> list[float]:
-    t = job.train
-    torch.manual_seed(t.seed)
-    torch.use_deterministic_algorithms(t.deterministic)
+    torch.manual_seed(job.train.seed)
+    torch.use_deterministic_algorithms(job.train.deterministic)
     mesh = build_mesh(device, plan.dp_replicate, plan.dp_shard, plan.tp)
-    dp_rank, dp_size = dp_rank_and_size(mesh)
-    is_rank0 = env.rank == 0
     run_dir = Path(job.run.output_dir) / job.run.name
     ckpt_folder = checkpoint_folder(job.checkpoint, run_dir)
     config_toml = config_to_toml(job)
-    if is_rank0:
+    if env.rank == 0:
         if plan.resume is None or plan.resume.model_only:
             set_aside_earlier_attempt(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_toml)
         log_orientation(job, plan, run_dir, ckpt_folder)
         logger.info("mesh %s on %s, grad accumulation %d", mesh, device, plan.grad_accum_steps)
-
-    # Model: build on meta (no memory), shard, then allocate only this rank's shards and
-    # initialize them. Each block is its own FSDP unit; see parallel/fsdp.py.
-    with torch.device("meta"):
-        model = plan.family.build_model(plan.args)
-    if job.fp8.enabled:  # before FSDP, so it shards the float8-aware weights; logs its choices
-        candidates = plan.family.fp8_linears(model)
-        apply_float8(model, job.fp8, candidates=candidates, weights_sharded=plan.dp_shard > 1)
-    # Tensor parallel after float8 (its float8 styles need the Float8Linear layers) and before
-    # AC, compile and FSDP: they wrap or shard the TP-split modules and DTensors it leaves.
-    if plan.tp > 1:
-        fp8_comm = job.fp8.enabled and job.fp8.recipe == "tensorwise" and device.type == "cuda"
-        # Not under LoRA: torchao's float8 styles hand the layer a float8 input, which the
-        # adapters would then receive too.
-        fp8_comm = fp8_comm and not job.lora.enabled
-        apply_tp(model, plan.family, mesh["tp"], float8_collectives=fp8_comm)
-    # Expert parallel, like tensor parallel, on the model on meta before AC and FSDP: the
-    # experts split over groups of ep ranks inside dp_shard, on a mesh of their own.
-    experts = None
-    if plan.ep > 1:
-        expert_mesh = build_expert_mesh(device, plan.dp_replicate, plan.dp_shard, plan.ep)
-        experts = apply_ep(model, plan.family, expert_mesh)
-    # Fine-tuning: LoRA after tensor parallel (its adapters take their placements from the
-    # split base weights) and after float8 (a float8 base keeps its float8 matmul, and the
-    # adapters are never converted); both before FSDP, which keeps frozen and trainable
-    # parameters in the same units. Each leaves requires_grad=False on what does not train.
-    if job.lora.enabled:
-        adapted = apply_lora(model, job.lora)
-        if is_rank0:
-            logger.info("lora: rank %d, alpha %g on %d Linear layers (%s)", job.lora.rank,
-                        job.lora.alpha, len(adapted), ", ".join(job.lora.targets))  # fmt: skip
-    if t.freeze:
-        apply_freeze(model, t.freeze)
-    # AC before compile, so the compiled block includes its recompute; compile before FSDP, so
-    # its collectives stay outside compiled code. Each asks the family for the blocks anew: the
-    # step before may have wrapped them. Compiled blocks at tp > 1 need torch workarounds,
-    # one of which reverses that order for whole-block AC (parallel/workarounds.py).
-    compile_first = tp_compile_workarounds(
-        model, plan.family, plan.tp, job.compile.enabled, job.ac.mode
+    run = setup(job, plan, env, mesh, device)
+    loader = build_loader(job, plan, "train", run.dp_rank, run.dp_size)
+    # Resume: everything that changes during training is a Stateful in one dict, loaded in
+    # place before the loader is iterated (DCP reshards it onto this mesh).
+    states = build_states(
+        run.model, run.optimizer, run.scheduler, loader, run.progress, config_toml
     )
-    if compile_first:
-        apply_compile(model, plan.family.fsdp_units(model), job.compile)
-        apply_ac(model, plan.family.fsdp_units(model), job.ac)
-    else:
-        apply_ac(model, plan.family.fsdp_units(model), job.ac)
-        apply_compile(model, plan.family.fsdp_units(model), job.compile)
-    # At tp > 1 loss parallel (loss_context) keeps the logits split instead: no compiled loss.
-    loss_fn = compile_loss(cross_entropy_sum, job.compile) if plan.tp == 1 else cross_entropy_sum
-    apply_fsdp(model, plan.family.fsdp_units(model), dp_mesh(mesh), job.parallel, experts)
+    checkpointer = Checkpointer(job.checkpoint, ckpt_folder, env.rank == 0)
+    if env.rank == 0 and job.checkpoint.interval > 0:
+        # fp32 weights, plus AdamW's two fp32 moments of what trains (a lower bound: the data
+        # position, RNG and config are small).
+        params = list(run.model.parameters())
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        warn_if_low_space(ckpt_folder, 4 * sum(p.numel() for p in params) + 8 * trainable)
+    resumed = checkpointer.load(states, plan.resume)  # an older one if plan.resume is damaged
+    # The checkpoint brought its own lr, betas, ...: what this run's config says wins (the
+    # changes were checked and listed by check_config).
+    apply_optimizer_config(
+        run.optimizer, run.scheduler, job.optim, run.progress.step, job.train.steps
+    )
+    if env.rank == 0 and run.progress.step >= job.train.steps:
+        logger.info("resumed at step %d of train.steps=%d: nothing to do", run.progress.step,
+                    job.train.steps)  # fmt: skip
+    end = loop(run, loader, checkpointer, states, run_dir, stop)
+    checkpointer.wait()  # an async save still in flight must finish before the group goes
+    # No rank exits before rank 0 has marked the last save complete: under srun
+    # --kill-on-bad-exit the first node whose launcher exits ends the others' processes.
+    dist.barrier()
+    if env.rank == 0:
+        summary = RunSummary(
+            run.progress.step, job.train.steps, end.losses, end.val_loss,
+            run.progress.tokens_seen, time.perf_counter() - end.started,
+            end.saved or (resumed and resumed.path), end.val_step,
+        )  # fmt: skip
+        reason = (stop.signal_name or "a signal to another rank") if end.stopped else None
+        for line in summary.lines(reason, job.checkpoint.interval):
+            logger.info("%s", line)
+    return end.losses
+
+
+def setup(
+    job: JobConfig, plan: Plan, env: LaunchEnv, mesh: DeviceMesh, device: torch.device
+) -> Run:
+    """The model as it will train (parallel/build.py), materialized and initialized on this
+    rank's shards, and its optimizer and schedule."""
+    expert_mesh = None
+    if plan.ep > 1:  # the experts split over groups of ep ranks inside dp_shard
+        expert_mesh = build_expert_mesh(device, plan.dp_replicate, plan.dp_shard, plan.ep)
+    built = build_model(plan.family, plan.args, job, mesh, expert_mesh)
+    model = built.model
+    if env.rank == 0 and job.lora.enabled:
+        logger.info("lora: rank %d, alpha %g on %d Linear layers (%s)", job.lora.rank,
+                    job.lora.alpha, len(built.adapted), ", ".join(job.lora.targets))  # fmt: skip
     model.to_empty(device=device)
+    t = job.train
     if job.checkpoint.init_from_hf and plan.resume is None:
         mapping = get_hf_mapping(job.model.name)  # checked by check_config
         hf_dir, adapters = job.checkpoint.init_from_hf, adapter_names(model)
@@ -250,203 +290,197 @@ def _train(
     # LoRA's adapters by their own rule, on the base weights from either: B = 0, so the model
     # starts as the base model, exactly.
     init_lora(model, t.seed, assign_local_shard)
-    n_params = count_params(model)
-    if is_rank0:
+    if env.rank == 0:
+        n_params = count_params(model)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         frozen = f" ({trainable:,} trainable, {n_params - trainable:,} frozen)"
         logger.info("model %s: %s parameters%s", job.model.flavor, f"{n_params:,}",
                     frozen if trainable < n_params else "")  # fmt: skip
-
     optimizer = build_optimizer(model, job.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_lambda(step, job.optim, t.steps)
     )
-    loader = build_loader(job, plan, "train", dp_rank, dp_size)
+    # At tp > 1 loss parallel (loss_context) keeps the logits split instead: no compiled loss.
+    loss_fn = compile_loss(cross_entropy_sum, job.compile) if plan.tp == 1 else cross_entropy_sum
+    dp_rank, dp_size = dp_rank_and_size(mesh)
     # A loader's (inputs, targets) on the device, with their document ids and targets under
     # data.attention_mask="document" (data/documents.py): derived per micro-batch, on the device.
     to_batch = partial(micro_batch, cfg=job.data, eos_id=plan.dataset.eos_id, device=device)
+    # No block freed after forward ('never', or 'default' at dp_shard = 1): keep them gathered
+    # between micro-batches too, saving an all-gather (a copy at dp_shard = 1) per block.
+    units = len(plan.family.fsdp_units(model))
+    p = job.parallel
+    resharded = reshard_plan(units, p.reshard_after_forward, plan.dp_shard, p.cpu_offload)
+    keep_gathered = plan.grad_accum_steps > 1 and not any(resharded)
+    return Run(job, plan, env, built, loss_fn, optimizer, scheduler, device, dp_rank, dp_size,
+               to_batch, keep_gathered=keep_gathered)  # fmt: skip
 
-    # Resume: everything that changes during training is a Stateful in one dict, loaded in
-    # place before the loader is iterated (DCP reshards it onto this mesh).
-    progress = TrainState()
-    states = build_states(model, optimizer, scheduler, loader, progress, config_toml)
-    checkpointer = Checkpointer(job.checkpoint, ckpt_folder, is_rank0)
-    if is_rank0 and job.checkpoint.interval > 0:
-        # fp32 weights, plus AdamW's two fp32 moments of what trains (a lower bound: the data
-        # position, RNG and config are small).
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        warn_if_low_space(ckpt_folder, 4 * n_params + 8 * trainable)
-    resumed = checkpointer.load(states, plan.resume)  # an older one if plan.resume is damaged
-    # The checkpoint brought its own lr, betas, ...: what this run's config says wins (the
-    # changes were checked and listed by check_config).
-    apply_optimizer_config(optimizer, scheduler, job.optim, progress.step, t.steps)
+
+def train_step(run: Run, micro_batches: list[MicroBatch], stop: bool, log: bool) -> StepResult:
+    """One optimizer step over the step's micro-batches: the loss normalized by the step's
+    target tokens over all ranks, gradients accumulated and clipped, one all-reduce for the
+    loss, the stop flag and the model's statistics, then the update (unless non-finite)."""
+    model, t, tp, dp_size = run.model, run.job.train, run.plan.tp, run.dp_size
+    # Normalize by the *global* number of target tokens of the step, so the loss and the
+    # gradients are the same for any micro-batching and any mesh shape.
+    global_tokens = sum((b.targets != -100).sum() for b in micro_batches).float()
+    dist.all_reduce(global_tokens)
+    loss_sum = torch.zeros((), device=global_tokens.device)
+    stats = None  # the model's step statistics, summed over micro-batches
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        # Reduce-scatter (and the HSDP all-reduce) only after the last micro-batch; earlier
+        # ones accumulate unsharded gradients locally, with no communication.
+        model.set_requires_gradient_sync(last)
+        if run.keep_gathered:
+            # Every block is still gathered at the end of forward anyway: keeping them through
+            # backward adds nothing to the peak.
+            model.set_reshard_after_backward(last)
+        with loss_context(tp):
+            loss = summed_loss(model, batch, run.loss_fn) / global_tokens
+            # FSDP averages gradients over the dp ranks; our loss is already a global mean, so
+            # scale by dp_size to turn that average into the sum we want. Each of the tp ranks
+            # of a dp rank counted the same targets into global_tokens: x tp undoes it.
+            objective = loss * dp_size * tp
+            # The family's extra terms (an MoE's aux loss) are global means too, the same on
+            # every tp rank: x dp_size only.
+            extra, extra_stats = run.built.collect(t.global_batch_size)
+            if extra is not None:
+                objective = objective + extra * dp_size
+                stats = extra_stats if stats is None else stats + extra_stats
+            objective.backward()
+        loss_sum += loss.detach()
+    grad_norm = clip_grad_norm(model, t.max_grad_norm)
+    # The stop flag and the model's statistics ride on the loss all-reduce: every rank stops
+    # after the same step, also one that the signal did not reach, with no extra collective.
+    summed = torch.cat([torch.stack([loss_sum, torch.tensor(float(stop), device=loss_sum.device)]),
+                        stats if stats is not None else loss_sum.new_zeros(0)])  # fmt: skip
+    dist.all_reduce(summed)
+    # One device-to-host copy for the three values every rank needs now.
+    loss_value, stop_value, norm_value = torch.stack([summed[0], summed[1], grad_norm]).tolist()
+    if math.isfinite(loss_value) and math.isfinite(norm_value):
+        run.optimizer.step()
+        run.skipped_in_a_row = 0
+    else:
+        non_finite(run, loss_value, norm_value)
+    # Every tp rank added the same statistics: / tp.
+    scalars = run.built.after_step(summed[2:] / tp if stats is not None else None, log)
+    run.optimizer.zero_grad(set_to_none=True)
+    lr = run.optimizer.param_groups[0]["lr"]
+    run.scheduler.step()
+    return StepResult(loss_value, norm_value, lr, stop_value > 0, scalars)
+
+
+def non_finite(run: Run, loss: float, grad_norm: float) -> None:
+    """train.on_nonfinite: stop with an error, or skip the update until too many in a row."""
+    t, step = run.job.train, run.progress.step + 1
+    if t.on_nonfinite == "error":
+        raise NonFiniteError(
+            f"step {step}: loss {loss}, grad norm {grad_norm}; stopping "
+            "(set train.on_nonfinite='skip' to skip such steps instead)"
+        )
+    run.skipped_in_a_row += 1
+    if run.env.rank == 0:
+        logger.warning("step %d: non-finite loss/grad norm, update skipped", step)
+    if run.skipped_in_a_row >= t.max_skipped_steps:
+        raise NonFiniteError(
+            f"step {step}: {run.skipped_in_a_row} steps in a row had a non-finite loss "
+            f"or grad norm (train.max_skipped_steps={t.max_skipped_steps}); the run "
+            "is not recovering, stopping (its checkpoints hold the last good weights)"
+        )
+
+
+@dataclass
+class LoopEnd:
+    """How the loop ended: for the run's summary."""
+
+    losses: list[float] = field(default_factory=list)
+    """The global training loss of every step this process ran."""
+    val_loss: float | None = None
+    val_step: int | None = None
+    saved: Path | None = None
+    stopped: bool = False
+    """A signal stopped the run before train.steps."""
+    started: float = field(default_factory=time.perf_counter)
+
+
+def loop(
+    run: Run,
+    loader: Any,
+    checkpointer: Checkpointer,
+    states: dict[str, Any],
+    run_dir: Path,
+    stop: StopRequest,
+) -> LoopEnd:
+    """Step after step until train.steps or a stop: each step logged, evaluated and saved at
+    its intervals. A stop request saves after the step in flight (the next start redoes no
+    finished step)."""
+    job, t, progress, is_rank0 = run.job, run.job.train, run.progress, run.env.rank == 0
     batches = iter(loader)  # loads the checkpoint's data position (and any new mixture weights)
     # What each source has served is a function of the stream position: rank 0 counts tokens
     # per source and sees a source run out without asking the other ranks or the workers.
     sources_seen = SourceMeter(loader.batch_sampler.stream, job.data.seq_len, progress.samples_seen)
-    if is_rank0 and progress.step >= t.steps:
-        logger.info("resumed at step %d of train.steps=%d: nothing to do", progress.step, t.steps)
-
     # After a resume, TensorBoard drops what an earlier attempt logged past the checkpoint.
     metrics = MetricsLogger(job.metrics, run_dir, is_rank0, t.steps, purge_step=progress.step + 1)
-    tokens_per_step = t.global_batch_size * job.data.seq_len
-    flops = plan.family.flops_per_token(model, job.data.seq_len)
-    # The peak MFU is measured against (none is listed for fp32: set metrics.peak_tflops).
-    precision = "fp8" if job.fp8.enabled else {"bfloat16": "bf16"}.get(job.parallel.param_dtype)
-    meter = ThroughputMeter(
-        job.metrics.warmup_steps,
-        env.world_size,
-        flops,
-        peak_tflops(device, precision, job.metrics.peak_tflops),
-    )
-    losses: list[float] = []
-    val_loss: float | None = None
-    val_step: int | None = None
-    saved: Path | None = None
-    skipped_in_a_row = 0
-    timer = Timer(device)
-    started = time.perf_counter()
-    # No block freed after forward ('never', or 'default' at dp_shard = 1): keep them gathered
-    # between micro-batches too, saving an all-gather (a copy at dp_shard = 1) per block.
-    resharded = reshard_plan(
-        len(plan.family.fsdp_units(model)),
-        job.parallel.reshard_after_forward,
-        plan.dp_shard,
-        job.parallel.cpu_offload,
-    )
-    keep_gathered = plan.grad_accum_steps > 1 and not any(resharded)
-    stopping = False
-    moe = moe_family(plan.family)  # None for a dense family: no aux loss, no expert load
-    expert_load = None  # MoE: tokens per expert since the last log line (layers, experts)
-
+    meter, tokens_per_step = throughput_meter(run), t.global_batch_size * job.data.seq_len
+    timer, end = Timer(run.device), LoopEnd()
     for step in range(progress.step + 1, t.steps + 1):
         # All micro-batches up front: their target count fixes the loss normalization.
-        micro_batches = [to_batch(*next(batches)) for _ in range(plan.grad_accum_steps)]
+        micro_batches = [run.to_batch(*next(batches)) for _ in range(run.plan.grad_accum_steps)]
         data_time = timer.lap()
-        # Normalize by the *global* number of target tokens of the step, so the loss and the
-        # gradients are the same for any micro-batching and any mesh shape.
-        global_tokens = sum((b.targets != -100).sum() for b in micro_batches).float()
-        dist.all_reduce(global_tokens)
-
+        log = step % job.metrics.log_interval == 0 or step == t.steps
         # One step (by default none) under torch.profiler: see metrics.profile_step.
-        with profile_step(job.metrics, step, run_dir, env.rank):
-            loss_sum = torch.zeros((), device=device)
-            moe_sums = []  # MoE: this rank's aux loss and expert load over the step
-            for i, batch in enumerate(micro_batches):
-                last = i == plan.grad_accum_steps - 1
-                # Reduce-scatter (and the HSDP all-reduce) only after the last micro-batch;
-                # earlier ones accumulate unsharded gradients locally, with no communication.
-                model.set_requires_gradient_sync(last)
-                if keep_gathered:
-                    # Every block is still gathered at the end of forward anyway: keeping them
-                    # through backward adds nothing to the peak.
-                    model.set_reshard_after_backward(last)
-                with loss_context(plan.tp):
-                    loss = summed_loss(model, batch, loss_fn) / global_tokens
-                    # FSDP averages gradients over the dp ranks; our loss is already a global
-                    # mean, so scale by dp_size to turn that average into the sum we want. Each
-                    # of the tp ranks of a dp rank counted the same targets into global_tokens:
-                    # x tp undoes it.
-                    objective = loss * dp_size * plan.tp
-                    if moe is not None:
-                        # The MoE aux loss is summed over this micro-batch's sequences: divided
-                        # by the step's sequences, it is a global mean like the loss (on any
-                        # mesh and micro-batching, model/__init__.py). Every tp rank computes
-                        # the same value, with the same gradients: no x tp.
-                        aux = moe.aux_loss(model) / t.global_batch_size
-                        objective = objective + aux * dp_size
-                        moe_sums.append(
-                            torch.cat([aux.detach()[None], moe.expert_load(model).flatten()])
-                        )
-                    objective.backward()
-                loss_sum += loss.detach()
-
-            grad_norm = clip_grad_norm(model, t.max_grad_norm)
-            # The stop flag rides on the loss all-reduce: every rank stops after the same step,
-            # also one that the signal did not reach, and no extra collective is needed; so do
-            # an MoE's aux loss and expert load.
-            summed = torch.stack([loss_sum, torch.tensor(float(stop.requested), device=device)])
-            if moe_sums:
-                summed = torch.cat([summed, torch.stack(moe_sums).sum(0)])
-            dist.all_reduce(summed)
-            loss_value, grad_norm_value = summed[0].item(), grad_norm.item()
-            stopping = summed[1].item() > 0
-            if moe_sums:  # every tp rank added the same values
-                aux_value = summed[2].item() / plan.tp
-                load = summed[3:].view(-1, moe.expert_load(model).shape[-1]) / plan.tp
-                expert_load = load if expert_load is None else expert_load + load
-            if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
-                optimizer.step()
-                precompute_float8_scales(model, job.fp8)  # no-op unless fp8 tensorwise
-                skipped_in_a_row = 0
-            elif t.on_nonfinite == "error":
-                raise NonFiniteError(
-                    f"step {step}: loss {loss_value}, grad norm {grad_norm_value}; stopping "
-                    "(set train.on_nonfinite='skip' to skip such steps instead)"
-                )
-            else:
-                skipped_in_a_row += 1
-                if is_rank0:
-                    logger.warning("step %d: non-finite loss/grad norm, update skipped", step)
-                if skipped_in_a_row >= t.max_skipped_steps:
-                    raise NonFiniteError(
-                        f"step {step}: {skipped_in_a_row} steps in a row had a non-finite loss "
-                        f"or grad norm (train.max_skipped_steps={t.max_skipped_steps}); the run "
-                        "is not recovering, stopping (its checkpoints hold the last good weights)"
-                    )
-            optimizer.zero_grad(set_to_none=True)
-        lr = optimizer.param_groups[0]["lr"]
-        scheduler.step()
-        losses.append(loss_value)
+        with profile_step(job.metrics, step, run_dir, run.env.rank):
+            result = train_step(run, micro_batches, stop.requested, log)
+        end.losses.append(result.loss)
         progress.step = step
         progress.samples_seen += t.global_batch_size
         progress.tokens_seen += tokens_per_step
         source_scalars = sources_seen.update(progress.samples_seen, step) if is_rank0 else {}
         # Steps since this process started: the first ones after a resume warm up too.
-        meter.record(len(losses), timer.lap() + data_time, data_time, tokens_per_step)
-
-        if step % job.metrics.log_interval == 0 or step == t.steps:
-            scalars = {"loss/train": loss_value, "lr": lr, "grad_norm": grad_norm_value}
-            if expert_load is not None:  # MoE: this step's aux loss, the load since last time
-                scalars |= {"loss/aux": aux_value} | expert_load_scalars(expert_load)
-                expert_load = None
-            eta = (time.perf_counter() - started) / len(losses) * (t.steps - step)
-            scalars |= source_scalars | meter.summary() | memory_stats(device)
+        meter.record(len(end.losses), timer.lap() + data_time, data_time, tokens_per_step)
+        if log:
+            scalars = {"loss/train": result.loss, "lr": result.lr, "grad_norm": result.grad_norm}
+            eta = (time.perf_counter() - end.started) / len(end.losses) * (t.steps - step)
+            scalars |= result.scalars | source_scalars | meter.summary() | memory_stats(run.device)
             metrics.log(step, scalars, eta_s=eta)
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
-            # Each source on its own validation split; loss/val is their mean (docs/data.md).
-            val_losses = {}
-            for source in plan.sources:
-                val = build_loader(job, plan, "val", dp_rank, dp_size, source)
-                n_val = t.eval_batches * plan.grad_accum_steps
-                with loss_context(plan.tp):
-                    val_losses[f"loss/val/{source.name}"] = evaluate(
-                        model, val, n_val, to_batch, loss_fn
-                    )
-            val_loss, val_step = sum(val_losses.values()) / len(val_losses), step
-            metrics.log(step, {"loss/val": val_loss} | (val_losses if len(val_losses) > 1 else {}))
+            end.val_loss, end.val_step = validate(run, metrics, step), step
             timer.lap()  # evaluation time is not training throughput
-        # After the optimizer step, so the checkpoint of step N holds N updates. A stop
-        # request saves now: the next start redoes no finished step.
-        if checkpointer.maybe_save(step, states, last=step == t.steps or stopping):
-            saved = step_dir(ckpt_folder, step)
+        # After the optimizer step, so the checkpoint of step N holds N updates.
+        if checkpointer.maybe_save(step, states, last=step == t.steps or result.stop):
+            end.saved = step_dir(checkpointer.folder, step)
             timer.lap()  # nor is saving: its time is logged on its own line
-        if stopping:
+        if result.stop:
+            end.stopped = True
             break
-    checkpointer.wait()  # an async save still in flight must finish before the group goes
-    # No rank exits before rank 0 has marked the last save complete: under srun
-    # --kill-on-bad-exit the first node whose launcher exits ends the others' processes.
-    dist.barrier()
     metrics.close()
-    if is_rank0:
-        summary = RunSummary(
-            progress.step, t.steps, losses, val_loss, progress.tokens_seen,
-            time.perf_counter() - started, saved or (resumed and resumed.path), val_step,
-        )  # fmt: skip
-        reason = (stop.signal_name or "a signal to another rank") if stopping else None
-        for line in summary.lines(reason, job.checkpoint.interval):
-            logger.info("%s", line)
-    return losses
+    return end
+
+
+def throughput_meter(run: Run) -> ThroughputMeter:
+    job = run.job
+    flops = run.plan.family.flops_per_token(run.model, job.data.seq_len)
+    # The peak MFU is measured against (none is listed for fp32: set metrics.peak_tflops).
+    precision = "fp8" if job.fp8.enabled else {"bfloat16": "bf16"}.get(job.parallel.param_dtype)
+    peak = peak_tflops(run.device, precision, job.metrics.peak_tflops)
+    return ThroughputMeter(job.metrics.warmup_steps, run.env.world_size, flops, peak)
+
+
+def validate(run: Run, metrics: MetricsLogger, step: int) -> float:
+    """Each source on its own validation split; loss/val is their mean (docs/data.md)."""
+    job, plan = run.job, run.plan
+    val_losses = {}
+    for source in plan.sources:
+        val = build_loader(job, plan, "val", run.dp_rank, run.dp_size, source)
+        n_val = job.train.eval_batches * plan.grad_accum_steps
+        with loss_context(plan.tp):
+            val_losses[f"loss/val/{source.name}"] = evaluate(
+                run.model, val, n_val, run.to_batch, run.loss_fn
+            )
+    val_loss = sum(val_losses.values()) / len(val_losses)
+    metrics.log(step, {"loss/val": val_loss} | (val_losses if len(val_losses) > 1 else {}))
+    return val_loss
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:

@@ -46,11 +46,11 @@ from launch.job import JobConfig
 from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
 from model import ModelConfig, ModelFamily, get_family, get_hf_mapping
+from parallel.build import build_model
 from parallel.dims import LaunchEnv, resolve_dims
 from parallel.ep import check_ep
 from parallel.float8 import check_float8, unmatched_skips
-from parallel.freeze import apply_freeze
-from parallel.lora import LoRAConfig, apply_lora
+from parallel.lora import LoRAConfig
 from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
 
@@ -111,18 +111,15 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         if (mapping := get_hf_mapping(job.model.name)) is None:
             raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
         check_hf_config(mapping, args, job.checkpoint.init_from_hf)
-    with torch.device("meta"):  # no memory: for the shapes and layer names
-        meta_model = family.build_model(args)
-    # What trains: patterns that match nothing fail here. LoRA's adapters are checkpoint keys.
     if job.lora.enabled and t.freeze:
         raise ConfigError(
             "train.freeze with lora.enabled: LoRA already freezes every parameter but its "
             "adapters; choose the adapted layers with lora.targets instead"
         )
-    if job.lora.enabled:
-        apply_lora(meta_model, job.lora)
-    if t.freeze:
-        apply_freeze(meta_model, t.freeze)
+    # The model as train.py builds it, on meta without a mesh (no memory): its checkpoint keys
+    # and shapes (LoRA's adapters included), layer names and what trains. Patterns that match
+    # nothing (lora.targets, train.freeze) fail here.
+    meta_model = build_model(family, args, job).model
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
     # or unwritable path) surface here too, before anything could hang on them.
     shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}

@@ -78,23 +78,6 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     return {"memory/max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-def expert_load_scalars(tokens_per_expert: torch.Tensor) -> dict[str, float]:
-    """TensorBoard scalars of a mixture of experts' load, from the tokens routed to each expert
-    (MoE layers, experts), summed over ranks: per layer, the busiest expert's tokens over the
-    mean (1 = balanced; n_experts / top_k = every token on the same top_k experts) and the
-    busiest expert's share of the layer's routed tokens; and the worst layer's ratio, for the
-    log line."""
-    busiest = tokens_per_expert.max(dim=1).values
-    total = tokens_per_expert.sum(dim=1).clamp(min=1)
-    over_mean = busiest / (total / tokens_per_expert.shape[1])
-    share = busiest / total
-    scalars = {"expert_load/max_over_mean": over_mean.max().item()}
-    for layer, (ratio, part) in enumerate(zip(over_mean.tolist(), share.tolist(), strict=True)):
-        scalars[f"expert_load/max_over_mean_layer{layer:02d}"] = ratio
-        scalars[f"expert_load/busiest_share_layer{layer:02d}"] = part
-    return scalars
-
-
 @dataclass
 class ThroughputMeter:
     """Accumulates step times and tokens between log lines, skipping warm-up steps."""

@@ -56,23 +56,33 @@ What the trainer may assume, and nothing more:
   tp rank (an MoE layer: routing needs whole tokens): its weights are replicated DTensors and
   it computes with their local tensors (`model.moe.local`).
 
+- **Step terms** (optional: `step_terms(model) -> StepTerms | None`, read through
+  `model.step_terms(family, model)`): what a family adds to each training step beyond the
+  cross-entropy, so that an auxiliary loss, a z-loss, a multi-token-prediction head or a
+  bias update after the optimizer step needs no edit to `train.py`. The trainer calls
+  `collect(sequences)` after each micro-batch's forward and gets `(extra loss, statistics)`:
+  the extra loss is differentiable and already a **global mean** (the family normalizes it;
+  `sequences` is the step's sequence count over all ranks), and every tp rank computes the same
+  value; the statistics are a detached 1-D float32 tensor that the trainer sums over the step's
+  micro-batches and, riding on the loss all-reduce, over the data-parallel ranks. After the
+  optimizer step it calls `after_step(summed statistics, log)`: the family may update what it
+  keeps (DeepSeek-V3's per-expert bias from the load summed over ranks, say) and, when `log`
+  is true, returns the scalars to log since the last log step.
+
 A **mixture-of-experts** family (`MoEFamily`; `moe_family(family)` says whether one is) also
-provides, and the trainer and `parallel/` may assume:
+provides, and `parallel/` may assume:
 
 - **The auxiliary loss reaches the trainer through the model**, not through `forward`'s result
   (which stays the logits, so everything that reads logits is unchanged): each block returns its
   MoE layer's terms as extra outputs (compile, AC and FSDP see plain tensors; no collective and
-  no state inside a block) and the model's forward keeps their total until the next forward.
-  `aux_loss(model)` is that total for the last forward: the load-balance loss and the router
-  z-loss, coefficients (`args.aux_loss_coef`, `args.router_z_loss_coef`) applied, each
+  no state inside a block) and the model's forward keeps their total until the next forward;
+  `model.moe.MoETerms` turns it into step terms. That total is the load-balance loss and the
+  router z-loss, coefficients (`args.aux_loss_coef`, `args.router_z_loss_coef`) applied, each
   computed **per sequence**, averaged over the MoE layers and **summed over the micro-batch's
-  sequences**. The trainer adds `aux_loss / (sequences in the step over all ranks)` to the main
-  loss (summed over target tokens / targets in the step over all ranks). A sequence is never
-  split across ranks or micro-batches, so both are the same for any mesh and micro-batching;
-  a loss balanced over each rank's batch would not be. Every tp rank computes the same aux.
-- `expert_load(model)`: tokens routed to each expert by the last forward, (MoE layers,
-  experts) float32, detached: the trainer sums it over the step's micro-batches and ranks
-  and logs the load per layer (launch/metrics.py).
+  sequences**; divided by the step's sequences over all ranks it is a global mean like the main
+  loss. A sequence is never split across ranks or micro-batches, so it is the same for any mesh
+  and micro-batching; a loss balanced over each rank's batch would not be. Its statistics are
+  the aux value and the tokens routed to each expert (MoE layers, experts), logged per layer.
 - `expert_modules(model)`: each MoE layer's experts module (`model.moe.GroupedExperts`), inside
   its block: stacked weights with the expert as dim 0, computed with their local tensors
   (`model.moe.local`), and `forward(rows sorted by expert, counts per expert)`. Without
@@ -317,19 +327,32 @@ class ModelFamily(Protocol):
     TP_PLAN: dict[str, TPStyle] | None
 
 
+class StepTerms(Protocol):
+    """What a family adds to each training step (see the module docstring)."""
+
+    def collect(self, sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After a micro-batch's forward: (extra loss, a global mean; statistics, 1-D)."""
+
+    def after_step(self, stats: torch.Tensor, log: bool) -> dict[str, float]:
+        """After the optimizer step, with the step's statistics summed over micro-batches and
+        data-parallel ranks; the scalars to log when `log`."""
+
+
+def step_terms(family: ModelFamily, model: nn.Module) -> StepTerms | None:
+    """The family's step terms for `model`, or None for a family that adds none."""
+    make = getattr(family, "step_terms", None)
+    return None if make is None else make(model)
+
+
 class MoEFamily(ModelFamily, Protocol):
     """What a mixture-of-experts family provides on top (see the module docstring)."""
-
-    def aux_loss(self, model: nn.Module) -> torch.Tensor: ...
-
-    def expert_load(self, model: nn.Module) -> torch.Tensor: ...
 
     def expert_modules(self, model: nn.Module) -> list[nn.Module]: ...
 
 
 def moe_family(family: ModelFamily) -> MoEFamily | None:
     """`family` as a mixture-of-experts family, or None for a dense one."""
-    return family if hasattr(family, "aux_loss") else None  # type: ignore[return-value]
+    return family if hasattr(family, "expert_modules") else None  # type: ignore[return-value]
 
 
 # The families, by --model.name, and their Hugging Face mappings. Adding one: its module(s) in

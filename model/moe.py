@@ -213,3 +213,47 @@ class MoE(nn.Module):
             z = torch.logsumexp(logits.float(), dim=-1).square().view(batch, -1).mean(dim=1)
             aux = aux + self.router_z_loss_coef * z.sum()
         return aux
+
+
+class MoETerms:
+    """A mixture-of-experts model's step terms (model/__init__.py, `StepTerms`), for any family
+    whose model keeps its last forward's aux loss in `last_aux_loss` (summed over the
+    micro-batch's sequences) and the tokens routed to each expert in `last_expert_load`
+    (MoE layers, experts): the extra loss is the aux loss over the step's sequences; the
+    statistics are that value and the load, logged as `loss/aux` and per-layer load."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.load: torch.Tensor | None = None  # tokens per expert since the last log step
+        self.aux = 0.0
+
+    def collect(self, sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+        aux = self.model.last_aux_loss / sequences
+        return aux, torch.cat([aux.detach()[None], self.model.last_expert_load.flatten()])
+
+    def after_step(self, stats: torch.Tensor, log: bool) -> dict[str, float]:
+        self.aux = stats[0].item()
+        load = stats[1:].view(-1, self.model.last_expert_load.shape[-1])
+        self.load = load if self.load is None else self.load + load
+        if not log:
+            return {}
+        scalars = {"loss/aux": self.aux} | expert_load_scalars(self.load)
+        self.load = None
+        return scalars
+
+
+def expert_load_scalars(tokens_per_expert: torch.Tensor) -> dict[str, float]:
+    """TensorBoard scalars of a mixture of experts' load, from the tokens routed to each expert
+    (MoE layers, experts), summed over ranks: per layer, the busiest expert's tokens over the
+    mean (1 = balanced; n_experts / top_k = every token on the same top_k experts) and the
+    busiest expert's share of the layer's routed tokens; and the worst layer's ratio, for the
+    log line."""
+    busiest = tokens_per_expert.max(dim=1).values
+    total = tokens_per_expert.sum(dim=1).clamp(min=1)
+    over_mean = busiest / (total / tokens_per_expert.shape[1])
+    share = busiest / total
+    scalars = {"expert_load/max_over_mean": over_mean.max().item()}
+    for layer, (ratio, part) in enumerate(zip(over_mean.tolist(), share.tolist(), strict=True)):
+        scalars[f"expert_load/max_over_mean_layer{layer:02d}"] = ratio
+        scalars[f"expert_load/busiest_share_layer{layer:02d}"] = part
+    return scalars

@@ -33,7 +33,7 @@ from model import (
     resolve_args,
 )
 from model.attention import Mask, document_mask
-from model.moe import GroupedExperts, MoE
+from model.moe import GroupedExperts, MoE, MoETerms
 from model.qwen3 import Attention, RMSNorm, rope_frequencies
 from model.random_init import Draw
 
@@ -295,3 +295,8 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
 def expert_load(model: nn.Module) -> torch.Tensor:
     """Tokens routed to each expert by the last forward, (layers, experts) float32."""
     return model.last_expert_load
+
+
+def step_terms(model: nn.Module) -> MoETerms:
+    """The aux loss and the expert load, per step (model/__init__.py, `StepTerms`)."""
+    return MoETerms(model)

@@ -52,14 +52,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 from torch import nn
 
 from model import ModelFamily, moe_family
-from parallel.float8 import Float8Config, float8_policy
-from parallel.freeze import apply_freeze
+from parallel.float8 import Float8Config
 from parallel.fsdp import Reshard, reshard_plan
-from parallel.lora import LoRAConfig, apply_lora
+from parallel.lora import LoRAConfig
 
 BYTES = {"bfloat16": 2, "float32": 4}
 AcMode = Literal["none", "full", "selective", "op"]
@@ -164,21 +162,19 @@ def model_shape(
     on and tensorwise, the weights of the Linear layers the FP8 policy converts are all-gathered
     in float8 (rowwise gathers in the compute dtype). `lora` (when enabled) and `freeze`: what
     trains, as train.py sets it (LoRA's adapters are parameters of their blocks' units)."""
-    with torch.device("meta"):
-        model = family.build_model(args)
+    from launch.job import JobConfig, TrainConfig  # the job tree imports this module's peers
+    from parallel.build import build_model
+
+    job = JobConfig(train=TrainConfig(freeze=list(freeze)))
+    job.fp8, job.lora = fp8 or job.fp8, lora or job.lora
+    built = build_model(family, args, job)  # on meta, as train.py builds it, without a mesh
+    model = built.model
     float8 = set()
-    if fp8 is not None and fp8.enabled and fp8.recipe == "tensorwise":
+    if job.fp8.enabled and job.fp8.recipe == "tensorwise":
         modules = dict(model.named_modules())
-        float8 = {
-            id(modules[d.fqn].weight)
-            for d in float8_policy(model, fp8, family.fp8_linears(model))
-            if d.converted
-        }
+        float8 = {id(modules[d.fqn].weight) for d in built.float8 if d.converted}
+    # The TP plan names the base layers; their own weights (not LoRA's adapters) are split.
     split = _tp_split_params(model, getattr(family, "TP_PLAN", None))
-    if lora is not None and lora.enabled:  # after the float8 policy, as in train.py
-        apply_lora(model, lora)
-    if freeze:
-        apply_freeze(model, list(freeze))
     units = family.fsdp_units(model)
     in_unit = {id(p) for u in units for p in u.parameters()}
     # Backward reaches a block once anything before it trains: the embedding or a block.
@@ -229,7 +225,7 @@ def _tp_split_params(model: nn.Module, tp_plan: dict[str, str] | None) -> set[in
     for name, module in model.named_modules():
         for pattern, kind in (tp_plan or {}).items():
             if kind in SPLIT_STYLES and _matches(name, pattern):
-                split |= {id(p) for p in module.parameters()}
+                split |= {id(p) for p in module.parameters(recurse=False)}
     return split
 
 

@@ -1,0 +1,132 @@
+"""The model as it will train: one builder, one order, called by train.py, the checks and the
+planner alike.
+
+    built = build_model(family, args, job)                        # meta, no mesh: checks, planner
+    built = build_model(family, args, job, mesh, expert_mesh)     # train.py: parallelized, on meta
+
+Without a mesh it stops after step 4 below (it needs no process group and no torchao): the
+checks read the checkpoint keys and shapes of what will train, the planner its FSDP units, which
+weights float8 converts and which parameters train. With a mesh every step runs. The order, and
+why each step comes where it does:
+
+1. The family's model on meta: no memory yet; each rank allocates only its shards later.
+2. Float8 (fp8.enabled): torchao's Float8Linear in place of the Linear layers the policy picks
+   (`float8_policy`), before tensor parallel (its float8 styles need those layers) and before
+   FSDP (which then shards the float8-aware weights). Without a mesh: only the decisions.
+3. Tensor parallel (tp > 1), then expert parallel (an expert mesh): on the model on meta,
+   before AC, compile and FSDP, which wrap or shard the split modules and DTensors they leave.
+4. LoRA (after tensor parallel: its adapters take their placements from the split base
+   weights; after float8: a float8 base keeps its float8 matmul) or train.freeze. Both before
+   FSDP, which keeps frozen and trainable parameters in the same units.
+5. Activation checkpointing, then compile, per block: the compiled block includes its
+   recompute, and FSDP's collectives stay outside compiled code. At tp > 1 compiled blocks need
+   torch workarounds, one of which reverses that order for whole-block AC
+   (parallel/workarounds.py); this is the only place that order is decided.
+6. FSDP: each block (and, under expert parallel, each expert module inside it) its own unit,
+   then the root.
+
+Each step asks the family for its blocks anew (`fsdp_units`): the step before may have wrapped
+them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from model import ModelFamily, StepTerms, step_terms
+from parallel.ac import apply_ac
+from parallel.compile import apply_compile
+from parallel.ep import apply_ep
+from parallel.float8 import Float8Decision, apply_float8, float8_policy, precompute_float8_scales
+from parallel.freeze import apply_freeze
+from parallel.fsdp import apply_fsdp
+from parallel.lora import apply_lora
+from parallel.runtime import dp_mesh
+from parallel.tp import apply_tp
+from parallel.workarounds import tp_compile_workarounds
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from launch.job import JobConfig
+
+
+@dataclass
+class BuiltModel:
+    """The model as it will train, and what the training step needs of it beyond forward."""
+
+    model: nn.Module
+    float8: list[Float8Decision] = field(default_factory=list)
+    """Per Linear layer: trained in float8 or not, and why (empty with fp8 off)."""
+    adapted: list[str] = field(default_factory=list)
+    """The Linear layers LoRA adapts."""
+    terms: StepTerms | None = None
+    """The family's extra loss terms and step statistics (model/__init__.py), or None."""
+    _after_step: list[Any] = field(default_factory=list)
+
+    def collect(self, sequences: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """After a micro-batch's forward: the family's extra loss (a global mean) and its
+        statistics, or (None, None) for a family that adds none."""
+        return self.terms.collect(sequences) if self.terms else (None, None)
+
+    def after_step(self, stats: torch.Tensor | None, log: bool) -> dict[str, float]:
+        """After each optimizer step: float8's weight scales, then the family's own update
+        from `stats` summed over the data-parallel ranks; returns the scalars to log if
+        `log`."""
+        for hook in self._after_step:
+            hook()
+        return self.terms.after_step(stats, log) if self.terms and stats is not None else {}
+
+
+def build_model(
+    family: ModelFamily,
+    args: Any,
+    job: JobConfig,
+    mesh: DeviceMesh | None = None,
+    expert_mesh: DeviceMesh | None = None,
+) -> BuiltModel:
+    """The model of `family` with `args`, built on meta and, given the (dp_replicate,
+    dp_shard, tp) `mesh` (and, for expert parallel, the expert mesh), parallelized as it will
+    train, in the module docstring's order. Materialize it with `model.to_empty`."""
+    import torch
+
+    with torch.device("meta"):
+        model = family.build_model(args)
+    built = BuiltModel(model)
+    fp8 = job.fp8
+    if fp8.enabled:  # 2
+        candidates = family.fp8_linears(model)
+        if mesh is None:
+            built.float8 = float8_policy(model, fp8, candidates)
+        else:
+            sharded = mesh["dp_shard"].size() > 1
+            built.float8 = apply_float8(model, fp8, candidates=candidates, weights_sharded=sharded)
+            built._after_step.append(lambda: precompute_float8_scales(model, fp8))
+    tp = 1 if mesh is None else mesh["tp"].size()
+    if tp > 1:  # 3
+        # torchao's float8 styles hand the layer a float8 input, which LoRA's adapters would
+        # then receive too; and gloo has no float8 collectives.
+        float8_comm = fp8.enabled and fp8.recipe == "tensorwise" and not job.lora.enabled
+        float8_comm = float8_comm and mesh.device_type == "cuda"
+        apply_tp(model, family, mesh["tp"], float8_collectives=float8_comm)
+    experts = apply_ep(model, family, expert_mesh) if expert_mesh is not None else None
+    if job.lora.enabled:  # 4
+        built.adapted = apply_lora(model, job.lora)
+    if job.train.freeze:
+        apply_freeze(model, job.train.freeze)
+    built.terms = step_terms(family, model)
+    if mesh is None:
+        return built
+    compile_first = tp_compile_workarounds(model, family, tp, job.compile.enabled, job.ac.mode)
+    if compile_first:  # 5
+        apply_compile(model, family.fsdp_units(model), job.compile)
+        apply_ac(model, family.fsdp_units(model), job.ac)
+    else:
+        apply_ac(model, family.fsdp_units(model), job.ac)
+        apply_compile(model, family.fsdp_units(model), job.compile)
+    apply_fsdp(model, family.fsdp_units(model), dp_mesh(mesh), job.parallel, experts)  # 6
+    return built
