@@ -325,7 +325,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--field",
-        "--jsonl-field",
         default="text",
         help="the text field of JSONL records, and the text column of parquet files",
     )
