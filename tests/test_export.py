@@ -547,7 +547,7 @@ def test_config_json_takes_token_ids_from_the_runs_dataset(
     assert ids == (256, 257)  # the byte tokenizer's BOS and EOS
     assert line == f"config.json: bos_token_id 256, eos_token_id 257 from {index}"
 
-    # An index.json from before bos_id was recorded: EOS only.
+    # A tokenizer without BOS (bos_id null): EOS only.
     index.write_text(json.dumps(json.loads(index.read_text()) | {"bos_id": None}))
     ids, line = export('\n[data]\npath = "data/bytes"\n', "old")
     assert ids == (None, 257)
