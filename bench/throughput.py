@@ -78,7 +78,7 @@ SCHEDULES = {
 # --quick: one measured step per run, on 64-token sequences, so all cases finish in minutes.
 QUICK = Schedule(2, 1, 1)
 QUICK_ARGS = ["--data.seq_len=64"]
-# The trainer logs "step 8/16  loss ..." (older logs: "step 8  loss ..."); the total is optional.
+# The trainer logs "step 8/16  loss ...", bench/plain_loop.py "step 8  loss ...": no total.
 STEP_RE = re.compile(r"\bstep (\d+)(?:/\d+)?\s.*?\btok/s ([\d,.]+)\s+tok/s/dev ([\d,.]+)")
 LOSS_RE = re.compile(r"\bstep (\d+)(?:/\d+)?\s+loss (\S+)")
 PARAMS_RE = re.compile(r"\bmodel \S+: ([\d,]+) parameters")

@@ -124,7 +124,7 @@ def special_token_ids(config: dict) -> tuple[int | None, int | None]:
             reason = str(e)
     if eos_id is None:
         logger.warning("config.json: bos_token_id and eos_token_id are null: %s", reason)
-    elif bos_id is None:  # a tokenizer without BOS, or an index.json from before bos_id
+    elif bos_id is None:  # a tokenizer without BOS
         logger.warning(
             "config.json: eos_token_id %d from %s, which records no bos_id: bos_token_id is null",
             eos_id, index_file,

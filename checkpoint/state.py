@@ -21,7 +21,6 @@ loads on any mesh.
 
 from __future__ import annotations
 
-import logging
 import pickle
 import tomllib
 import warnings
@@ -42,8 +41,6 @@ from torch.distributed.tensor import DTensor
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from configs import ConfigError
-
-logger = logging.getLogger(__name__)
 
 # The checkpoint's top-level keys: the format that resume, export and tools read.
 MODEL = "model"
@@ -214,18 +211,12 @@ def read_progress(path: Path) -> tuple[int, int]:
 
 def read_run_config(checkpoint_dir: Path, entries: set[str]) -> tuple[dict, str]:
     """The run's resolved config from the checkpoint's config entry (`entries`: its top-level
-    keys), or from the run's config.toml (`<run>/checkpoints/step-N/../../config.toml`) if it
-    has none; and where it was read."""
-    if CONFIG in entries:
-        state = {CONFIG: ""}
-        load_no_dist(state, checkpoint_dir)
-        text, source = state[CONFIG], f"{checkpoint_dir} (config entry)"
-    else:
-        path = checkpoint_dir.parent.parent / "config.toml"
-        if not path.is_file():
-            raise ConfigError(f"{checkpoint_dir} has no config entry and {path} does not exist")
-        text, source = path.read_text(), str(path)
-        logger.warning("checkpoint has no config entry; the config is read from %s", path)
+    keys), and where it was read."""
+    if CONFIG not in entries:  # build_states gives every checkpoint one
+        raise ConfigError(f"{checkpoint_dir} has no config entry: not a checkpoint of this trainer")
+    state = {CONFIG: ""}
+    load_no_dist(state, checkpoint_dir)
+    text, source = state[CONFIG], f"{checkpoint_dir} (config entry)"
     try:
         return tomllib.loads(text), source
     except tomllib.TOMLDecodeError as e:

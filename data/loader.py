@@ -124,7 +124,7 @@ class DatasetIndex:
     tokenizer: dict[str, Any]
     splits: dict[str, list[Shard]]
     bos_id: int | None = None
-    """None for a tokenizer without BOS, and in index files written before it was recorded."""
+    """None (JSON null) for a tokenizer without BOS."""
     examples: dict[str, Any] | None = None
     """Fine-tuning examples with a loss mask per shard: their format (data/sft.py); None for
     documents, whose every token is a target."""
@@ -137,7 +137,7 @@ class DatasetIndex:
         return sum(max(s.num_tokens - 1, 0) // seq_len for s in self.splits.get(split, []))
 
 
-_INDEX_KEYS = ("version", "dtype", "vocab_size", "eos_id", "tokenizer", "splits")
+_INDEX_KEYS = ("version", "dtype", "vocab_size", "eos_id", "bos_id", "tokenizer", "splits")
 
 
 def read_index(path: str | Path, key: str = "data.path") -> DatasetIndex:
@@ -166,6 +166,10 @@ def read_index(path: str | Path, key: str = "data.path") -> DatasetIndex:
             f"{raw['dtype']!r}; this trainer reads versions 1 and 2 with uint16 or uint32; "
             f"{remedy}"
         )
+    # What tells two Hugging Face tokenizers of the same size and ids apart (open_sources).
+    tokenizer = raw["tokenizer"]
+    if isinstance(tokenizer, dict) and tokenizer.get("kind") == "hf" and "sha256" not in tokenizer:
+        raise ConfigError(f"{key}: '{index_file}' has no tokenizer.sha256; {remedy}")
     masked = raw["version"] == 2
     try:
         splits = {
@@ -179,7 +183,6 @@ def read_index(path: str | Path, key: str = "data.path") -> DatasetIndex:
             ]
             for split, shards in raw["splits"].items()
         }
-        bos_id = raw.get("bos_id")  # absent from files written before it was recorded
         return DatasetIndex(
             path=root,
             dtype=raw["dtype"],
@@ -187,7 +190,7 @@ def read_index(path: str | Path, key: str = "data.path") -> DatasetIndex:
             eos_id=None if raw["eos_id"] is None else int(raw["eos_id"]),
             tokenizer=dict(raw["tokenizer"]),
             splits=splits,
-            bos_id=None if bos_id is None else int(bos_id),
+            bos_id=None if raw["bos_id"] is None else int(raw["bos_id"]),
             examples=dict(raw["examples"]) if masked else None,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -256,9 +259,6 @@ def open_sources(cfg: DataConfig) -> list[DataSource]:
     first, seen = sources[0], {}
     for source in sources:
         mine, theirs = _identity(first.index), _identity(source.index)
-        if "sha256" not in mine or "sha256" not in theirs:
-            # index.json written before the hash was recorded: compare what both have.
-            mine.pop("sha256", None), theirs.pop("sha256", None)
         if theirs != mine:
             raise ConfigError(
                 f"data.sources: {first.name} and {source.name} were prepared with different "

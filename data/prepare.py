@@ -272,7 +272,7 @@ def prepare(
             "tokenizer": tok.describe(),
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
-            # Read by the Hugging Face export (config.json); absent from older index files.
+            # Read by the Hugging Face export (config.json); null for a tokenizer without BOS.
             "bos_id": tok.bos_id,
             "splits": {s: w.shards for s, w in writers.items()},
             "sources": {"num_documents": num_docs, "inputs": inputs, "pattern": pattern},
@@ -325,7 +325,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--field",
-        "--jsonl-field",
         default="text",
         help="the text field of JSONL records, and the text column of parquet files",
     )

@@ -39,7 +39,7 @@ from data.shuffle import derive_key, permute, subkeys
 logger = logging.getLogger(__name__)
 
 VERSION = 2
-"""Of the loader state. Version 1 (no "version" key) shuffled each epoch with torch.randperm."""
+"""Of the loader state (GlobalStream.state_dict), the only one load_state_dict reads."""
 PERIOD = 1 << 16
 """Positions over which each source's share is exact: weights count in units of 1/65536."""
 BLOCK = 64
@@ -219,21 +219,17 @@ class GlobalStream:
 
     def load_state_dict(self, state: Mapping[str, Any], position: int) -> None:
         """Continue a saved stream at `position` with this stream's weights (logged if new)."""
-        saved_sizes = state.get("num_samples")
-        if state.get("version", 1) == 1:  # one source, no segments
-            saved_sizes = {self.names[0]: saved_sizes} if len(self.names) == 1 else None
-            logger.warning(
-                "data: the checkpoint's loader state is version 1 (torch.randperm per epoch); "
-                "the stream continues at position %d in version %d's order (a Feistel "
-                "permutation per epoch), so the current epoch may repeat or skip samples",
-                position, VERSION,
-            )  # fmt: skip
-            segments = [Segment(0, dict(self.weights), dict.fromkeys(self.names, 0))]
-        else:
-            segments = [Segment(**segment) for segment in state["segments"]]
-        if saved_sizes is None or sorted(saved_sizes) != self.names:
+        if (version := state.get("version")) != VERSION:
+            what = "no version" if version is None else f"version {version!r}"
             raise ConfigError(
-                f"data: the checkpoint's stream reads sources {sorted(saved_sizes or [])}, this "
+                f"data: the checkpoint's loader state has {what}, this trainer reads version "
+                f"{VERSION}: start over from its weights with checkpoint.load_model_only=true"
+            )
+        saved_sizes = state["num_samples"]
+        segments = [Segment(**segment) for segment in state["segments"]]
+        if sorted(saved_sizes) != self.names:
+            raise ConfigError(
+                f"data: the checkpoint's stream reads sources {sorted(saved_sizes)}, this "
                 f"run {self.names}: a resume cannot add, remove or rename sources"
             )
         mine = {"num_samples": dict(zip(self.names, self.sizes.tolist(), strict=True)),

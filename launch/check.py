@@ -50,7 +50,6 @@ from parallel.build import build_model
 from parallel.dims import LaunchEnv, resolve_dims
 from parallel.ep import check_ep
 from parallel.float8 import check_float8, unmatched_skips
-from parallel.lora import LoRAConfig
 from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
 
@@ -225,9 +224,7 @@ def resume_changes(job: JobConfig, path: Path) -> list[str]:
     except Exception as err:  # damaged: Checkpointer.load verifies it and falls back
         logger.warning("cannot read the config of %s (%s): changes not compared", path, err)
         return []
-    # A checkpoint from before fine-tuning settings existed trained everything, without LoRA.
-    before = {"train": {"freeze": []}, "lora": config_to_dict(LoRAConfig())}
-    old, new = flatten(before) | flatten(saved), flatten(config_to_dict(job))
+    old, new = flatten(saved), flatten(config_to_dict(job))
     changed = sorted(
         k for k in old.keys() | new.keys()
         if old.get(k) != new.get(k) and not k.startswith(RESUME_IGNORED)

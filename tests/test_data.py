@@ -213,6 +213,12 @@ def test_corrupt_index_json_names_the_file_and_the_problem(tmp_path: Path, datas
             r"is malformed \(a shard entry has no key 'num_tokens'\)"
         ),
         json.dumps(good | {"vocab_size": "many"}): r"is malformed \(invalid literal for int",
+        # bos_id is recorded even when null (a tokenizer without BOS).
+        json.dumps({k: v for k, v in good.items() if k != "bos_id"}): "has no bos_id;",
+        # A Hugging Face tokenizer's hash tells tokenizers of one size and ids apart.
+        json.dumps(good | {"tokenizer": good["tokenizer"] | {"kind": "hf"}}): (
+            "has no tokenizer.sha256;"
+        ),
     }
     for text, problem in cases.items():
         index_file.write_text(text)
@@ -222,8 +228,7 @@ def test_corrupt_index_json_names_the_file_and_the_problem(tmp_path: Path, datas
         assert message.startswith(f"data.path: '{index_file}' ") and "\n" not in message
         assert re.search(problem, message), message
         assert message.endswith(f"re-create it with: python -m data.prepare --out {ds}")
-    # An index.json written before bos_id was recorded still opens.
-    index_file.write_text(json.dumps({k: v for k, v in good.items() if k != "bos_id"}))
+    index_file.write_text(json.dumps(good | {"bos_id": None}))
     assert open_dataset(ds).bos_id is None and open_dataset(dataset).bos_id == 256
 
 

@@ -231,17 +231,16 @@ def test_export_refuses_missing_and_incomplete_checkpoints(
     ]
 
 
-def test_export_reads_run_config_toml_when_checkpoint_has_none(tmp_path: Path) -> None:
+def test_export_of_a_checkpoint_without_its_config_entry_is_one_error(tmp_path: Path) -> None:
+    """Every checkpoint train.py saves holds the run's config; the run's config.toml beside
+    one that does not is not read instead."""
     cfg = small_config(n_layers=3)
-    model = random_model(build_args(cfg))
-    step_dir = write_checkpoint(model, cfg, tmp_path / "run", config=False)
-    with pytest.raises(ConfigError, match="has no config entry"):
-        export_checkpoint(step_dir, tmp_path / "hf")
+    step_dir = write_checkpoint(random_model(build_args(cfg)), cfg, tmp_path / "run", config=False)
     (tmp_path / "run" / "config.toml").write_text(config_to_toml(_Run(cfg)))
-    export_checkpoint(step_dir, tmp_path / "hf", torch.float32)
-    assert load_file(tmp_path / "hf" / "model.safetensors").keys() >= {
-        "model.layers.2.mlp.down_proj.weight"
-    }
+    with pytest.raises(ConfigError) as err:
+        export_checkpoint(step_dir, tmp_path / "hf")
+    assert str(err.value) == f"{step_dir} has no config entry: not a checkpoint of this trainer"
+    assert not (tmp_path / "hf").exists()
 
 
 def test_import_errors_name_keys_and_shapes(tmp_path: Path) -> None:
@@ -547,7 +546,7 @@ def test_config_json_takes_token_ids_from_the_runs_dataset(
     assert ids == (256, 257)  # the byte tokenizer's BOS and EOS
     assert line == f"config.json: bos_token_id 256, eos_token_id 257 from {index}"
 
-    # An index.json from before bos_id was recorded: EOS only.
+    # A tokenizer without BOS (bos_id null): EOS only.
     index.write_text(json.dumps(json.loads(index.read_text()) | {"bos_id": None}))
     ids, line = export('\n[data]\npath = "data/bytes"\n', "old")
     assert ids == (None, 257)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ import train
 from checkpoint.export import load_checkpoint_model, main
 from checkpoint.hf import save_hf_weights
 from configs import ConfigError, config_to_toml, parse_config
-from launch.check import check_config
+from launch.check import check_config, resume_changes
 from launch.job import JobConfig
 from model import ModelConfig, get_family, get_hf_mapping
 from parallel.dims import LaunchEnv
@@ -280,6 +281,26 @@ def test_resume_may_change_lora_dropout_but_not_what_trains(lora_run: dict[str, 
     assert "lora.alpha: 32.0 -> 4.0" in str(e.value)
     with pytest.raises(ConfigError, match="unexpected layers.0.feed_forward.w1.lora_a.weight"):
         check_config(parse_config(JobConfig, [*argv, "--lora.targets=*.attention.*"]), env)
+
+
+def test_resume_compares_the_fine_tuning_settings_every_checkpoint_saves(tmp_path: Path) -> None:
+    """A checkpoint's config entry as train.py saves it (config_to_toml of the job) holds
+    train.freeze and [lora]: resuming with the same job changes nothing. One without them is
+    no format the trainer writes: one config error, not a run taken to have trained all."""
+    job = parse_config(JobConfig, ["--data.path=unused"])
+    text = config_to_toml(job)
+    assert "\n[" not in text.split("\n[lora]\n")[1]  # [lora] is the last table
+    without = re.sub(r"\n\[lora\]\n.*", "\n", text, flags=re.S).replace("\nfreeze = []\n", "\n")
+    for name, config in (("today", text), ("without", without)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({"config": config}, checkpoint_id=tmp_path / name, no_dist=True)
+    assert resume_changes(job, tmp_path / "today") == []
+    with pytest.raises(ConfigError) as err:
+        resume_changes(job, tmp_path / "without")
+    message = str(err.value)
+    assert message.startswith(f"resuming {tmp_path / 'without'} with a changed lora.alpha: None")
+    assert "train.freeze: None -> []" in message and "\n" not in message
 
 
 # ---- parity across meshes, tensor parallel, compile, resume -----------------------------------

@@ -76,17 +76,17 @@ def test_bad_sources_are_one_config_error_line(
     other_tokenizer = Path(shutil.copytree(sources["b"], tmp_path / "hf"))
     index = json.loads((other_tokenizer / "index.json").read_text())
     hf = {"kind": "hf", "path": "/models/x/tokenizer.json", "vocab_size": 258, "eos_id": 0,
-          "bos_id": None}  # fmt: skip
+          "bos_id": None, "sha256": "0" * 64}  # fmt: skip
     (other_tokenizer / "index.json").write_text(json.dumps(index | {"tokenizer": hf}))
     # Two Hugging Face tokenizers alike in size and special ids, but not in their merges.
     merges = {}
-    for name, digest in (("m1", "1" * 64), ("m2", "2" * 64), ("old", None)):
+    for name, digest in (("m1", "1" * 64), ("m2", "2" * 64)):
         merges[name] = Path(shutil.copytree(sources["b"], tmp_path / name))
-        tok = hf | ({"sha256": digest} if digest else {})
+        tok = hf | {"sha256": digest}
         (merges[name] / "index.json").write_text(json.dumps(index | {"tokenizer": tok}))
-    # index.json from before the hash was recorded mixes with a hashed one of the same ids.
-    old_and_new = mixture({"a": str(merges["m1"]), "b": str(merges["old"])}, {"a": 1, "b": 1})
-    assert validate([*base, *old_and_new], LaunchEnv(0, 0, 1, 1, 1)) == 0
+    unhashed = Path(shutil.copytree(sources["b"], tmp_path / "unhashed"))
+    no_hash = {k: v for k, v in hf.items() if k != "sha256"}
+    (unhashed / "index.json").write_text(json.dumps(index | {"tokenizer": no_hash}))
     wide = make_dataset(tmp_path / "wide", 10, 16, seed=1, dtype="uint32")
     (tmp_path / "names.toml").write_text(f'[data.sources."we b"]\npath = "{sources["a"]}"\n')
     (tmp_path / "twice.toml").write_text("[data.sources.a]\npath = 'x'\n[data.sources.a]\n")
@@ -104,6 +104,9 @@ def test_bad_sources_are_one_config_error_line(
                        "a and b were prepared with different tokenizers"),
         "merges": (mixture({"a": str(merges["m1"]), "b": str(merges["m2"])}, {"a": 1, "b": 1}),
                    "a and b were prepared with different tokenizers"),
+        "no hash": (mixture({"a": str(merges["m1"]), "b": str(unhashed)}, {"a": 1, "b": 1}),
+                    f"data.sources.b: '{unhashed / 'index.json'}' has no tokenizer.sha256; "
+                    f"re-create it with: python -m data.prepare --out {unhashed}"),
         "dtypes": (mixture({"a": sources["a"], "b": wide}, {"a": 1, "b": 1}),
                    "'dtype': 'uint32'}); a mixture needs one"),
         "same dataset": (mixture({"a": sources["a"], "b": sources["a"]}, {"a": 1, "b": 1}),

@@ -244,8 +244,7 @@ def test_field_chooses_the_jsonl_field_and_the_parquet_column(tmp_path: Path) ->
     pq.write_table(pa.table({"body": ["two", None], "text": ["y", "z"]}), tmp_path / "t.parquet")
     out = prepare([str(tmp_path / "recs.jsonl")], tmp_path / "a", field="body", val_fraction=0)
     assert _byte_documents(out, "train") == [b"one"]
-    # --jsonl-field is the old spelling of --field.
-    prepare_module.main(["--input", str(tmp_path / "recs.jsonl"), "--jsonl-field", "text",
+    prepare_module.main(["--input", str(tmp_path / "recs.jsonl"), "--field", "text",
                          "--out", str(tmp_path / "b"), "--val-fraction", "0"])  # fmt: skip
     assert _byte_documents(tmp_path / "b", "train") == [b"x"]
     with pytest.raises(ConfigError, match=r"t.parquet': row 1 has no 'body' \(null\)"):

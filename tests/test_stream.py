@@ -225,19 +225,17 @@ def _first_steps_of_epochs(stream: GlobalStream, name: str, steps: int) -> list[
     return out
 
 
-def test_a_version_1_loader_state_resumes_with_a_warning(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Checkpoints made before this stream (torch.randperm per epoch) continue at their
-    position, in the new order; a mixture cannot continue a one-source state."""
-    v1 = {"consumed": 24, "num_samples": 1000, "seed": 1, "shuffle": True}
-    sampler = _sampler(_stream({"web": 1.0}), 2, 0, 4)
-    with caplog.at_level(logging.WARNING, logger="data.stream"):
-        sampler.load_state_dict(v1)
-    assert "loader state is version 1" in caplog.text and "position 24" in caplog.text
-    assert next(iter(sampler)) == [(0, i) for i in sampler.stream.locate(np.arange(24, 28))[1]]
-    with pytest.raises(ConfigError, match=r"sources \[\], this run \['code', 'web'\]"):
-        _sampler(_stream({"web": 0.5, "code": 0.5}), 1, 0, 8).load_state_dict(v1)
+def test_a_loader_state_of_another_version_or_sources_is_one_config_error() -> None:
+    """The loader state is read in the one version state_dict writes; a resume cannot change
+    which sources the stream reads."""
+    unversioned = {"consumed": 24, "num_samples": 1000, "seed": 1, "shuffle": True}
+    for state, what in ((unversioned, "no version"), (unversioned | {"version": 3}, "version 3")):
+        with pytest.raises(ConfigError) as err:
+            _sampler(_stream({"web": 1.0}), 2, 0, 4).load_state_dict(state)
+        assert str(err.value) == (
+            f"data: the checkpoint's loader state has {what}, this trainer reads version 2: "
+            "start over from its weights with checkpoint.load_model_only=true"
+        )
     state = _sampler(_stream({"web": 0.5, "code": 0.5}), 1, 0, 8).state_dict()
     with pytest.raises(ConfigError, match="cannot add, remove or rename sources"):
         _sampler(_stream({"web": 0.5, "tiny": 0.5}), 1, 0, 8).load_state_dict(state)
