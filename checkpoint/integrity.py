@@ -11,9 +11,10 @@ full disk fails the save itself, on every rank.
 
 Verified twice: the checks that read no tensor data (`check_files`) in `check_resume`
 (`checkpoint/resume.py`, every rank, before the process group), the content (`verify_files`,
-each rank its share of the files) in `Checkpointer.load`. Every checkpoint has a manifest: a
-marker that is empty, not JSON or of another shape is damage like a flipped bit, since the
-files it fails to vouch for could hold anything.
+each rank its share of the files) in `Checkpointer.load`. Every checkpoint has a manifest, and
+it must list every data file DCP wrote (`.metadata` and each `*.distcp`): a marker that is
+empty, not JSON, of another shape or that leaves a file out is damage like a flipped bit, since
+the files it fails to vouch for could hold anything.
 
 This module has the pieces: the writer that records checksums, the cheap checks that read no
 tensor data, and the content check of a share of the files.
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 COMPLETE = "COMPLETE"
 PENDING = "COMPLETE.tmp"  # the manifest until the Checkpointer renames it to COMPLETE
 METADATA = ".metadata"  # DCP's index, written by rank 0
+_DATA = ".distcp"  # the suffix of DCP's data files, __<rank>_<i>.distcp
 _SIDECAR = "__{rank}_checksums.json"  # one rank's checksums, until rank 0 merges them
 _FORMAT = "fsdp2-trainer manifest 1"
 _JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
@@ -114,8 +116,8 @@ def _entry(size: int, crc: int) -> dict[str, int]:
 
 
 def read_manifest(directory: Path) -> dict[str, dict[str, int]]:
-    """File name -> {"bytes", "crc32"} from the COMPLETE marker. Raises CorruptCheckpoint
-    naming COMPLETE and what is wrong with it."""
+    """File name -> {"bytes", "crc32"} from the COMPLETE marker, which must list every data
+    file of `directory`. Raises CorruptCheckpoint naming COMPLETE and what is wrong with it."""
     path = directory / COMPLETE
     try:
         files = _manifest_files(path.read_bytes())
@@ -123,6 +125,13 @@ def read_manifest(directory: Path) -> dict[str, dict[str, int]]:
         raise CorruptCheckpoint(path, "is missing") from None
     except ValueError as err:
         raise CorruptCheckpoint(path, f"is not a valid manifest ({err})") from None
+    # A file left out would never be summed, so its damage would load unseen. Other files in
+    # the folder (a note someone left) are not DCP's and not read.
+    data = (p.name for p in directory.iterdir() if p.name == METADATA or p.suffix == _DATA)
+    if unlisted := sorted(name for name in data if name not in files):
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        why = f"lists no size and checksum for {unlisted[0]}{more}, a data file of the checkpoint"
+        raise CorruptCheckpoint(path, why)
     return files
 
 
@@ -153,9 +162,9 @@ def _manifest_files(text: bytes) -> dict[str, dict[str, int]]:
 
 
 def check_files(directory: Path) -> Metadata:
-    """The checks that read no tensor data: the manifest reads, every file it lists is there
-    with its size, .metadata can be read, and every file it points into is long enough. Raises
-    CorruptCheckpoint naming the first bad file; returns the metadata."""
+    """The checks that read no tensor data: the manifest reads and lists every data file,
+    each is there with its size, .metadata can be read, and every file it points into is long
+    enough. Raises CorruptCheckpoint naming the first bad file; returns the metadata."""
     manifest = read_manifest(directory)
     for name, entry in manifest.items():
         _check_size(directory / name, entry["bytes"], "recorded in the manifest", exact=True)
@@ -166,8 +175,8 @@ def check_files(directory: Path) -> Metadata:
     except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged file
         why = f"cannot be read ({_one_line(err)})"
         raise CorruptCheckpoint(directory / METADATA, why) from None
-    # .metadata and the manifest must agree: this finds a file it points into that the
-    # manifest records too short.
+    # .metadata and the manifest must agree: this finds a file it points into that is gone
+    # together with its manifest entry, or that the manifest records too short.
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         end = info.offset + info.length

@@ -439,6 +439,11 @@ def manifest_damage(rewrite: Callable[[dict], str]) -> Callable[[Path], None]:
     return damage
 
 
+def without(name: str) -> Callable[[dict], str]:
+    """A manifest's text without the entry of file `name`."""
+    return lambda m: json.dumps(m | {"files": {k: v for k, v in m["files"].items() if k != name}})
+
+
 def without_crc32(manifest: dict) -> str:
     files = {name: {"bytes": entry["bytes"]} for name, entry in manifest["files"].items()}
     return json.dumps(manifest | {"files": files})
@@ -456,6 +461,7 @@ DAMAGE = {
     "manifest-a-list": (COMPLETE, manifest_damage(lambda m: json.dumps(list(m["files"])))),
     "manifest-a-number": (COMPLETE, manifest_damage(lambda m: "8")),
     "manifest-entries-without-crc32": (COMPLETE, manifest_damage(without_crc32)),
+    "manifest-without-a-file": (COMPLETE, manifest_damage(without("__0_0.distcp"))),
 }
 # What check_files says about each damaged COMPLETE, after its path.
 MANIFEST_WHY = {
@@ -466,6 +472,8 @@ MANIFEST_WHY = {
     "manifest-a-number": "is not a valid manifest (a JSON number, not an object)",
     "manifest-entries-without-crc32": "is not a valid manifest (the entry of .metadata is "
     '{"bytes": ',
+    "manifest-without-a-file": "lists no size and checksum for __0_0.distcp, a data file of the "
+    "checkpoint",
 }
 # The quick tier takes the damage only the content check finds (its size is right), and the
 # issue's COMPLETE that is not JSON; the full suite every kind.
@@ -505,6 +513,19 @@ def test_a_manifest_that_cannot_be_read_is_damage(
         check_files(step)
     assert str(bad.value).startswith(f"{step / COMPLETE} {MANIFEST_WHY[kind]}"), bad.value
     assert "\n" not in str(bad.value)
+
+
+def test_a_file_gone_with_its_manifest_entry_is_missing(
+    sync_run: tuple[list, Path], tmp_path: Path
+) -> None:
+    """The manifest lists every data file on disk; .metadata names the ones that must be."""
+    _, out = sync_run
+    step = tmp_path / "step-8"
+    shutil.copytree(ckpt(out, "sync", 8), step)
+    (step / COMPLETE).write_text(without("__1_0.distcp")(json.loads((step / COMPLETE).read_text())))
+    (step / "__1_0.distcp").unlink()
+    with pytest.raises(CorruptCheckpoint, match=f"^{step / '__1_0.distcp'} is missing$"):
+        check_files(step)
 
 
 @pytest.mark.parametrize("kind", DAMAGE_KINDS)
