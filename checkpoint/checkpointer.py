@@ -9,7 +9,6 @@ Loading verifies first: the content of every file against the manifest
 share, and all ranks learn every mismatch (one all_gather). A damaged checkpoint that
 `resume=auto` chose falls back to the next older complete one (`ResumePoint.fallback`, see
 `checkpoint/resume.py`); a damaged explicit `checkpoint.resume=<path>` is a ConfigError.
-Checkpoints saved before manifests existed load with a warning that they are not verified.
 """
 
 from __future__ import annotations
@@ -138,13 +137,6 @@ class Checkpointer:
             manifest = read_manifest(path)
         except CorruptCheckpoint as bad:  # check_resume read it fine: it changed since
             return [str(bad)]
-        if manifest is None:
-            if self.is_rank0:
-                logger.warning(
-                    "checkpoint %s has no checksums (saved before they were recorded): "
-                    "loading it unverified", path
-                )  # fmt: skip
-            return []
         sizes = {name: entry["bytes"] for name, entry in manifest.items()}
         share = split_by_size(sizes, dist.get_world_size())[dist.get_rank()]
         found: list[Any] = [None] * dist.get_world_size()

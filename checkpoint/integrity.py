@@ -11,9 +11,10 @@ full disk fails the save itself, on every rank.
 
 Verified twice: the checks that read no tensor data (`check_files`) in `check_resume`
 (`checkpoint/resume.py`, every rank, before the process group), the content (`verify_files`,
-each rank its share of the files) in `Checkpointer.load`. Checkpoints saved before manifests
-existed (marker "step N") load with a warning that they are not verified; the size checks
-against `.metadata` still apply to them.
+each rank its share of the files) in `Checkpointer.load`. Every checkpoint has a manifest, and
+it must list every data file DCP wrote (`.metadata` and each `*.distcp`): a marker that is
+empty, not JSON, of another shape or that leaves a file out is damage like a flipped bit, since
+the files it fails to vouch for could hold anything.
 
 This module has the pieces: the writer that records checksums, the cheap checks that read no
 tensor data, and the content check of a share of the files.
@@ -39,8 +40,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 COMPLETE = "COMPLETE"
 PENDING = "COMPLETE.tmp"  # the manifest until the Checkpointer renames it to COMPLETE
 METADATA = ".metadata"  # DCP's index, written by rank 0
+_DATA = ".distcp"  # the suffix of DCP's data files, __<rank>_<i>.distcp
 _SIDECAR = "__{rank}_checksums.json"  # one rank's checksums, until rank 0 merges them
 _FORMAT = "fsdp2-trainer manifest 1"
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
 _CHUNK = 8 << 20  # bytes read at a time: large enough for full speed, small in memory
 
 
@@ -112,28 +115,58 @@ def _entry(size: int, crc: int) -> dict[str, int]:
     return {"bytes": size, "crc32": crc}
 
 
-def read_manifest(directory: Path) -> dict[str, dict[str, int]] | None:
-    """File name -> {"bytes", "crc32"} from the COMPLETE marker; None for a checkpoint saved
-    before manifests existed (its marker is "step N" or empty)."""
-    text = (directory / COMPLETE).read_text()
-    if not text.lstrip().startswith("{"):
-        return None
+def read_manifest(directory: Path) -> dict[str, dict[str, int]]:
+    """File name -> {"bytes", "crc32"} from the COMPLETE marker, which must list every data
+    file of `directory`. Raises CorruptCheckpoint naming COMPLETE and what is wrong with it."""
+    path = directory / COMPLETE
+    try:
+        files = _manifest_files(path.read_bytes())
+    except FileNotFoundError:
+        raise CorruptCheckpoint(path, "is missing") from None
+    except ValueError as err:
+        raise CorruptCheckpoint(path, f"is not a valid manifest ({err})") from None
+    # A file left out would never be summed, so its damage would load unseen. Other files in
+    # the folder (a note someone left) are not DCP's and not read.
+    data = (p.name for p in directory.iterdir() if p.name == METADATA or p.suffix == _DATA)
+    if unlisted := sorted(name for name in data if name not in files):
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        why = f"lists no size and checksum for {unlisted[0]}{more}, a data file of the checkpoint"
+        raise CorruptCheckpoint(path, why)
+    return files
+
+
+def _manifest_files(text: bytes) -> dict[str, dict[str, int]]:
+    """The "files" of a manifest, checked for shape; ValueError saying what is wrong."""
+    if not text.strip():
+        raise ValueError("the file is empty")
     try:
         manifest = json.loads(text)
-        if manifest.get("format") != _FORMAT:
-            raise ValueError(f"unknown format {manifest.get('format')!r}")
-        return manifest["files"]
-    except (ValueError, KeyError, AttributeError) as err:
-        why = f"is not a readable manifest ({err})"
-        raise CorruptCheckpoint(directory / COMPLETE, why) from None
+    except ValueError as err:  # JSONDecodeError, or UnicodeDecodeError for binary bytes
+        raise ValueError(f"not JSON: {str(err)[:200]}") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"a JSON {_JSON_TYPES.get(type(manifest), 'null')}, not an object")
+    form, checksum = manifest.get("format"), manifest.get("checksum")
+    if (form, checksum) != (_FORMAT, "crc32"):
+        want = f"{_FORMAT!r} with 'crc32'"
+        raise ValueError(f"format {form!r} with checksum {checksum!r}, not {want}")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise ValueError('no "files" object')
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or any(
+            type(entry.get(key)) is not int or entry[key] < 0 for key in ("bytes", "crc32")
+        ):
+            shown = json.dumps(entry)[:100]
+            raise ValueError(f'the entry of {name} is {shown}, not {{"bytes": N, "crc32": C}}')
+    return files
 
 
 def check_files(directory: Path) -> Metadata:
-    """The checks that read no tensor data: every file the manifest lists is there with its
-    size, .metadata can be read, and every file it points into is long enough. Raises
-    CorruptCheckpoint naming the first bad file; returns the metadata."""
+    """The checks that read no tensor data: the manifest reads and lists every data file,
+    each is there with its size, .metadata can be read, and every file it points into is long
+    enough. Raises CorruptCheckpoint naming the first bad file; returns the metadata."""
     manifest = read_manifest(directory)
-    for name, entry in (manifest or {}).items():
+    for name, entry in manifest.items():
         _check_size(directory / name, entry["bytes"], "recorded in the manifest", exact=True)
     try:
         metadata = FileSystemReader(str(directory)).read_metadata()
@@ -142,7 +175,8 @@ def check_files(directory: Path) -> Metadata:
     except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged file
         why = f"cannot be read ({_one_line(err)})"
         raise CorruptCheckpoint(directory / METADATA, why) from None
-    # Without a manifest (an old checkpoint) this still catches a truncated data file.
+    # .metadata and the manifest must agree: this finds a file it points into that is gone
+    # together with its manifest entry, or that the manifest records too short.
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         end = info.offset + info.length
@@ -163,7 +197,7 @@ def _check_size(path: Path, expected: int, what: str, exact: bool) -> None:
 
 def verify_files(directory: Path, names: list[str]) -> list[str]:
     """Sum the named files and compare with the manifest: one 'file why' per bad file."""
-    manifest = read_manifest(directory) or {}
+    manifest = read_manifest(directory)
     bad = []
     for name in names:
         try:

@@ -3,10 +3,11 @@
 `check_resume` runs in `check_config`, on every rank, before the process group exists: it
 finds the checkpoint to resume and rejects one that cannot work (wrong model shapes, a data
 position the new mesh cannot continue, a missing path, an unwritable folder) as ConfigError.
-It verifies what reads no tensor data (`checkpoint.integrity.check_files`): every file of the
-manifest is there with its size, `.metadata` unpickles, every file it points into is long
-enough, the step and data position read back. The content (checksums) is verified later, by
-`Checkpointer.load` (`checkpoint/checkpointer.py`), once the process group exists.
+It verifies what reads no tensor data (`checkpoint.integrity.check_files`): the manifest
+reads and lists every data file, each is there with its size, `.metadata` unpickles, every
+file it points into is long enough, the step and data position read back. The content
+(checksums) is verified later, by `Checkpointer.load` (`checkpoint/checkpointer.py`), once the
+process group exists.
 
 Fallback: a damaged checkpoint is skipped, with one warning naming the file, for the next
 older complete one when `resume=auto` chose it (here for a file check, in `Checkpointer.load`

@@ -29,7 +29,7 @@ import torch
 
 from checkpoint import ResumePoint, check_resume, checkpoint_folder, list_step_dirs
 from checkpoint.hf import check_hf_config
-from checkpoint.integrity import read_manifest, verify_files
+from checkpoint.integrity import CorruptCheckpoint, read_manifest, verify_files
 from checkpoint.resume import DAMAGED_HINT
 from checkpoint.state import CONFIG, read_run_config
 from configs import ConfigError, HelpRequested, config_to_dict, config_to_toml, parse_config
@@ -358,7 +358,10 @@ def verify_explicit_resume(resume: str, chosen: Path) -> None:
     (`resume=auto` falls back to an older checkpoint of the run inside the ranks instead.)"""
     if resume in ("auto", "none") or Path(resume).resolve() != chosen.resolve():
         return
-    manifest = read_manifest(chosen) or {}  # an old checkpoint without one: nothing to sum
+    try:
+        manifest = read_manifest(chosen)
+    except CorruptCheckpoint as bad:  # check_config read it fine: it changed since
+        raise ConfigError(f"checkpoint.resume: {bad}; {DAMAGED_HINT}") from None
     size = sum(entry["bytes"] for entry in manifest.values())
     if size > 2**30:
         logger.info("checking %s (%.1f GB of checksums) before the ranks start", chosen, size / 1e9)

@@ -5,6 +5,7 @@ checkpoints (skipped or refused, never loaded) and a full disk."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import pickle
@@ -13,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,13 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train
 from checkpoint import COMPLETE
-from checkpoint.integrity import ChecksummingWriter, check_files, read_manifest, verify_files
+from checkpoint.integrity import (
+    ChecksummingWriter,
+    CorruptCheckpoint,
+    check_files,
+    read_manifest,
+    verify_files,
+)
 from launch.check import check_config
 from launch.check import main as launch_check
 from launch.job import JobConfig
@@ -420,6 +427,28 @@ def flip_a_byte(path: Path) -> None:
     path.write_bytes(data)
 
 
+def manifest_damage(rewrite: Callable[[dict], str]) -> Callable[[Path], None]:
+    """Damage to COMPLETE: `rewrite` turns its manifest into the new text. A byte of a shard is
+    flipped too, which only that manifest's checksums would find: a checkpoint whose manifest
+    cannot be read must not load unverified."""
+
+    def damage(path: Path) -> None:
+        path.write_text(rewrite(json.loads(path.read_text())))
+        flip_a_byte(path.parent / "__0_0.distcp")
+
+    return damage
+
+
+def without(name: str) -> Callable[[dict], str]:
+    """A manifest's text without the entry of file `name`."""
+    return lambda m: json.dumps(m | {"files": {k: v for k, v in m["files"].items() if k != name}})
+
+
+def without_crc32(manifest: dict) -> str:
+    files = {name: {"bytes": entry["bytes"]} for name, entry in manifest["files"].items()}
+    return json.dumps(manifest | {"files": files})
+
+
 # What goes wrong, and in which file. Rank 0's file: with 2 ranks the content check hands it to
 # rank 1 (files are dealt out largest first), so rank 0 reports what rank 1 found.
 DAMAGE = {
@@ -427,12 +456,29 @@ DAMAGE = {
     "missing-metadata": (".metadata", Path.unlink),
     "truncated-metadata": (".metadata", truncate),
     "flipped-byte": ("__0_0.distcp", flip_a_byte),
+    "empty-manifest": (COMPLETE, manifest_damage(lambda m: "")),
+    "manifest-not-json": (COMPLETE, manifest_damage(lambda m: "garbage")),
+    "manifest-a-list": (COMPLETE, manifest_damage(lambda m: json.dumps(list(m["files"])))),
+    "manifest-a-number": (COMPLETE, manifest_damage(lambda m: "8")),
+    "manifest-entries-without-crc32": (COMPLETE, manifest_damage(without_crc32)),
+    "manifest-without-a-file": (COMPLETE, manifest_damage(without("__0_0.distcp"))),
 }
-# The quick tier takes the damage only the content check finds (its size is right); the full
-# suite every kind.
-DAMAGE_KINDS = [
-    k if k == "flipped-byte" else pytest.param(k, marks=pytest.mark.slow) for k in DAMAGE
-]
+# What check_files says about each damaged COMPLETE, after its path.
+MANIFEST_WHY = {
+    "empty-manifest": "is not a valid manifest (the file is empty)",
+    "manifest-not-json": "is not a valid manifest (not JSON: Expecting value: line 1 column 1 "
+    "(char 0))",
+    "manifest-a-list": "is not a valid manifest (a JSON array, not an object)",
+    "manifest-a-number": "is not a valid manifest (a JSON number, not an object)",
+    "manifest-entries-without-crc32": "is not a valid manifest (the entry of .metadata is "
+    '{"bytes": ',
+    "manifest-without-a-file": "lists no size and checksum for __0_0.distcp, a data file of the "
+    "checkpoint",
+}
+# The quick tier takes the damage only the content check finds (its size is right), and the
+# issue's COMPLETE that is not JSON; the full suite every kind.
+QUICK = ("flipped-byte", "manifest-not-json")
+DAMAGE_KINDS = [k if k in QUICK else pytest.param(k, marks=pytest.mark.slow) for k in DAMAGE]
 
 
 def copy_checkpoints(out: Path, name: str) -> Path:
@@ -449,7 +495,37 @@ def lines_with(text: str, needle: str) -> list[str]:
 def assert_intact(path: Path) -> None:
     """Every file of the manifest is there with its size and checksum."""
     check_files(path)
-    assert verify_files(path, list(read_manifest(path) or [])) == []
+    assert verify_files(path, list(read_manifest(path))) == []
+
+
+@pytest.mark.parametrize("kind", MANIFEST_WHY)
+def test_a_manifest_that_cannot_be_read_is_damage(
+    sync_run: tuple[list, Path], tmp_path: Path, kind: str
+) -> None:
+    """Whatever is wrong with COMPLETE, the checks before any process group find it and name
+    COMPLETE with what is wrong (in this process; the runs below show what a resume does)."""
+    _, out = sync_run
+    step = tmp_path / "step-8"
+    shutil.copytree(ckpt(out, "sync", 8), step)
+    file, damage = DAMAGE[kind]
+    damage(step / file)
+    with pytest.raises(CorruptCheckpoint) as bad:
+        check_files(step)
+    assert str(bad.value).startswith(f"{step / COMPLETE} {MANIFEST_WHY[kind]}"), bad.value
+    assert "\n" not in str(bad.value)
+
+
+def test_a_file_gone_with_its_manifest_entry_is_missing(
+    sync_run: tuple[list, Path], tmp_path: Path
+) -> None:
+    """The manifest lists every data file on disk; .metadata names the ones that must be."""
+    _, out = sync_run
+    step = tmp_path / "step-8"
+    shutil.copytree(ckpt(out, "sync", 8), step)
+    (step / COMPLETE).write_text(without("__1_0.distcp")(json.loads((step / COMPLETE).read_text())))
+    (step / "__1_0.distcp").unlink()
+    with pytest.raises(CorruptCheckpoint, match=f"^{step / '__1_0.distcp'} is missing$"):
+        check_files(step)
 
 
 @pytest.mark.parametrize("kind", DAMAGE_KINDS)
@@ -458,9 +534,9 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
 ) -> None:
     """resume=auto skips a damaged step 8 with one warning naming the file, resumes step 4 and
     trains on exactly: the step-8 checkpoint it saves anew equals the straight run's (weights,
-    optimizer, schedule, data position, counters). Truncations and a missing file are found
-    before the process group (file sizes); the flipped byte only by the checksums, after it
-    (rank 1 sums that file)."""
+    optimizer, schedule, data position, counters). Truncations, a missing file and a COMPLETE
+    that is not a manifest of every file are found before the process group; the flipped byte
+    alone only by the checksums, after it (rank 1 sums that file)."""
     _, out = sync_run
     name = f"damaged-{kind}"
     folder = copy_checkpoints(out, name)
@@ -532,29 +608,6 @@ def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(
         assert str(file) in error
     assert sorted(p.name for p in folder.iterdir()) == ["step-4", "step-8"]
     assert all((folder / step / COMPLETE).is_file() for step in ("step-4", "step-8"))
-
-
-@pytest.mark.slow
-def test_checkpoint_without_manifest_loads_with_a_warning(
-    sync_run: tuple[list, Path], tiny_dataset: str
-) -> None:
-    """Checkpoints saved before manifests existed (marker 'step N') still load, with one
-    warning that they are not verified; a truncated data file in one is still found, from the
-    offsets in its .metadata."""
-    _, out = sync_run
-    folder = copy_checkpoints(out, "old")
-    for step in (4, 8):
-        (folder / f"step-{step}" / COMPLETE).write_text(f"step {step}\n")
-    truncate(folder / "step-8" / "__1_0.distcp")
-
-    args = argv(tiny_dataset, out, "old", "--train.steps=9", "--checkpoint.interval=0")
-    result = train_py(args)
-    assert result.returncode == 0, result.stderr[-3000:]
-    skipped, unverified = lines_with(result.stderr, "WARNING")
-    assert f"{folder / 'step-8' / '__1_0.distcp'} has " in skipped
-    assert "its entries in .metadata end at" in skipped
-    assert f"{folder / 'step-4'} has no checksums" in unverified and "unverified" in unverified
-    assert f"resumed from {folder / 'step-4'} (all state, step 4)" in result.stderr
 
 
 @contextlib.contextmanager
