@@ -48,6 +48,7 @@ class QwenArgs:
     norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_seq_len: int = 40_960
+    """Longest sequence of the published model (HF's max_position_embeddings)."""
     tie_embeddings: bool = False
     attention: AttentionImpl = "sdpa"
     """How attention is computed, not what: see ModelConfig.attention."""

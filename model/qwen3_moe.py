@@ -47,6 +47,7 @@ class Qwen3MoEArgs:
     n_heads: int
     n_kv_heads: int
     head_dim: int
+    """Size of one attention head, set on its own (not dim // n_heads)."""
     vocab_size: int
     n_experts: int
     """Experts per MoE layer (HF's num_experts)."""
@@ -63,6 +64,7 @@ class Qwen3MoEArgs:
     norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_seq_len: int = 40_960
+    """Longest sequence of the published model (HF's max_position_embeddings)."""
     tie_embeddings: bool = False
     attention: AttentionImpl = "sdpa"
     """How attention is computed, not what: see ModelConfig.attention."""
