@@ -8,7 +8,7 @@ import difflib
 import math
 import tomllib
 import types
-from dataclasses import MISSING, Field, fields, is_dataclass
+from dataclasses import MISSING, Field, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -18,8 +18,19 @@ from configs.write import _toml_value, field_docs
 T = TypeVar("T")
 
 _TRUE = ("true", "1", "yes", "on")
+# A key of an open section (one with an `extra_keys` hook, e.g. `[model]`, whose keys beyond its
+# own fields are the chosen family's): its type is known only once the section's own values are
+# (the family's name may come later on the command line), so its value waits in a _Pending.
+_OPEN = object()
 _FALSE = ("false", "0", "no", "off")
 _NONE = ("none", "null")
+
+
+@dataclass(frozen=True)
+class _Pending:
+    value: Any
+    source: str
+    cli: bool
 
 
 def parse_config(cls: type[T], argv: list[str]) -> T:
@@ -54,7 +65,9 @@ def parse_config(cls: type[T], argv: list[str]) -> T:
         hint = _resolve(cls, key.replace("-", "_").split("."), f"from --{key}")
         if not has_value:
             takes_word = i < len(argv) and argv[i].lower() in _TRUE + _FALSE
-            if bool in (hint, *get_args(hint)) and not takes_word:
+            if hint is _OPEN and (i == len(argv) or argv[i].startswith("--")):
+                raw = "true"  # a bare flag; its type is checked once the section is built
+            elif bool in (hint, *get_args(hint)) and not takes_word:
                 raw = "true"  # a bare `--flag` switches a bool on
             elif i < len(argv) and not argv[i].startswith("--"):
                 raw, i = argv[i], i + 1
@@ -69,7 +82,10 @@ def parse_config(cls: type[T], argv: list[str]) -> T:
         node = store
         for name in parts[:-1]:
             node = node.setdefault(name, {})
-        node[parts[-1]] = _convert(raw, hint, ".".join(parts), f"from --{key}", cli=True)
+        if hint is _OPEN:
+            node[parts[-1]] = _Pending(raw, f"from --{key}", cli=True)
+        else:
+            node[parts[-1]] = _convert(raw, hint, ".".join(parts), f"from --{key}", cli=True)
     return _build(cls, store, "", None)
 
 
@@ -127,6 +143,8 @@ def _lookup(cls: type, name: str, prefix: str, source: str) -> Any:
     hints = _hints(cls)
     if name in hints:
         return hints[name]
+    if hasattr(cls, "extra_keys"):
+        return _OPEN  # checked when the section is built
     close = difflib.get_close_matches(name, list(hints), n=1)
     guess = f"did you mean '{prefix}{close[0]}'? " if close else ""
     level = f"in [{prefix[:-1]}]" if prefix else "at top level"
@@ -152,6 +170,8 @@ def _resolve(cls: type, parts: list[str], source: str) -> Any:
             cls, i = entry, i + 2  # parts[i + 1] names the entry: any name is valid here
             continue
         last = i == len(parts) - 1
+        if hint is _OPEN and not last:
+            raise ConfigError(f"'{path}' is not a section ({source})")
         if _is_section(hint) and last:
             raise ConfigError(
                 f"'{path}' is a section, not a value ({source}); set its keys as "
@@ -172,7 +192,11 @@ def _merge_toml(store: dict, cls: type, table: dict, prefix: str, source: str) -
     for name, value in table.items():
         hint = _lookup(cls, name, prefix, source)
         path = prefix + name
-        if _is_table_map(hint):
+        if hint is _OPEN:
+            if isinstance(value, dict):
+                raise ConfigError(f"'{path}' is not a section ({source})")
+            store[name] = _Pending(value, source, cli=False)
+        elif _is_table_map(hint):
             if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
                 raise ConfigError(
                     f"'{path}' holds named sections: expected tables [{path}.NAME], got "
@@ -281,6 +305,8 @@ def _build(cls: type[T], store: dict, prefix: str, defaults: Any) -> T:
             kwargs[f.name] = default
         else:
             raise ConfigError(f"missing required key '{path}' (<{_type_name(hint)}>)")
+    if hasattr(cls, "extra_keys"):
+        kwargs |= _build_extra(cls, store, hints, kwargs, prefix, defaults)
     try:
         return cls(**kwargs)
     except ConfigError as e:
@@ -289,6 +315,23 @@ def _build(cls: type[T], store: dict, prefix: str, defaults: Any) -> T:
         if section and not str(e).startswith((f"{section}.", f"{section}:", f"{section} ")):
             raise ConfigError(f"{section}: {e}") from e
         raise
+
+
+def _build_extra(
+    cls: type, store: dict, hints: dict, values: dict, prefix: str, defaults: Any
+) -> dict[str, Any]:
+    """An open section's keys beyond its fields, typed by its `extra_keys(values, names)` hook
+    (which refuses a name it does not take, with its reason), the section default's first."""
+    extra = dict(getattr(defaults, "extra", None) or {})
+    for name, p in store.items():
+        if name in hints:
+            continue
+        try:
+            (hint,) = cls.extra_keys(values, [name]).values()
+        except ConfigError as e:
+            raise ConfigError(f"{e} ({p.source})") from None
+        extra[name] = _convert(p.value, hint, prefix + name, p.source, p.cli)
+    return extra
 
 
 def _type_name(hint: Any) -> str:
@@ -314,6 +357,10 @@ def _help_lines(cls: type, prefix: str, defaults: Any, lines: list[str]) -> None
         default = _field_default(f, hint, defaults)
         shown = "required" if default is MISSING else f"default: {_toml_value(default)}"
         lines.append(f"  --{prefix}{f.name}=<{_type_name(hint)}> ({shown})  {doc}".rstrip())
+    for title, keys in cls.extra_help() if hasattr(cls, "extra_help") else []:
+        lines.append(f"  {title}")  # an open section's other keys, e.g. per model family
+        for name, (hint, shown, doc) in keys.items():
+            lines.append(f"    --{prefix}{name}=<{_type_name(hint)}> ({shown})  {doc}".rstrip())
     for f, hint, doc in sections:
         if _is_table_map(hint):  # one entry's keys, under the placeholder NAME
             lines += ["", f"[{prefix}{f.name}.NAME]  {doc}".rstrip()]

@@ -37,6 +37,9 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(cfg):
         value = getattr(cfg, f.name)
+        if f.metadata.get("inline"):  # an open section's other keys (e.g. a family's own)
+            out |= {k: v for k, v in value.items() if v is not None}
+            continue
         if not f.init or value is None:
             continue
         if isinstance(value, dict):  # named sections, e.g. data.sources
@@ -94,6 +97,9 @@ def _toml_lines(cfg: Any, prefix: str, lines: list[str]) -> None:
     docs, sections = field_docs(type(cfg)), []
     for f in fields(cfg):
         value = getattr(cfg, f.name)
+        if f.metadata.get("inline"):  # an open section's other keys, as its plain keys
+            lines += [f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None]
+            continue
         if not f.init or value is None:
             continue
         # TOML needs a table's plain keys before its subtables.

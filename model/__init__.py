@@ -11,10 +11,12 @@ one in `HF_MAPPINGS`; docs/forking.md walks through it).
 
 What the trainer may assume, and nothing more:
 
-- **Shape.** `build_args(cfg)` turns the shared `ModelConfig` (a flavor plus single-field
-  overrides) into the family's frozen args dataclass, which has at least the fields of
-  `ModelArgs`; a field the family does not have is a `ConfigError`, not silently ignored.
-  `FLAVORS` maps flavor names to args.
+- **Shape.** `build_args(cfg)` turns `ModelConfig` (a flavor plus single-field overrides)
+  into the family's frozen args dataclass, which has at least the fields of `ModelArgs`.
+  `FLAVORS` maps flavor names to args. The args dataclass is also the family's config: every
+  field of it that `ModelConfig` does not share is a `[model]` key of this family (with its
+  type and docstring, in `--help`), so a family adds its settings in its own file; a key of
+  another family is a `ConfigError` naming it, never silently ignored.
 - **Construction.** `build_model(args)` constructs the model under the caller's default device:
   the trainer builds on `meta`, applies parallelism, calls `to_empty`, then `init_weights`.
   Model code is single-device: it never imports `torch.distributed`.
@@ -98,14 +100,15 @@ provides, and `parallel/` may assume:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, get_type_hints
 
 import torch
 from torch import nn
 
-from configs import ConfigError
+from configs import ConfigError, field_docs
 
 AttentionImpl = Literal["sdpa", "chunked"]
 
@@ -124,10 +127,16 @@ TPStyle = Literal[
 ]
 
 
+# The `[model]` keys every family has; a family's other fields are its own (`ModelConfig.extra`).
 @dataclass
 class ModelConfig:
     """`[model]`: which family and flavor, and single fields that override the flavor's shape.
-    A family accepts the fields its args have; setting another is a config error."""
+
+    The keys here are the ones every family shares. A family's own fields (llama3's
+    `multiple_of`, qwen3's `head_dim`, an MoE's `n_experts`, ...) are the other fields of its
+    args dataclass: set them as `model.KEY` too (TOML or command line); they are checked
+    against the family named by `model.name` (`--help` lists them per family) and kept in
+    `extra`. `ModelConfig(name="qwen3", head_dim=64)` takes them as keywords as well."""
 
     name: str = "llama3"
     """Model family: a key of model.FAMILIES ('llama3', 'qwen3', 'qwen3_moe')."""
@@ -141,40 +150,30 @@ class ModelConfig:
     """Attention heads (default: the flavor's)."""
     n_kv_heads: int | None = None
     """Key/value heads for grouped-query attention (default: the flavor's)."""
-    head_dim: int | None = None
-    """Size of one attention head, where the family sets it on its own (qwen3)."""
     vocab_size: int | None = None
     """Embedding rows; must cover the dataset's tokenizer (default: the flavor's)."""
-    ffn_dim: int | None = None
-    """FFN hidden size, where the family sets it directly (qwen3's intermediate_size)."""
-    multiple_of: int | None = None
-    """llama3: the FFN hidden size is rounded up to a multiple of this."""
-    ffn_dim_multiplier: float | None = None
-    """llama3: scales the FFN hidden size."""
     rope_theta: float | None = None
     """RoPE base frequency (default: the flavor's)."""
-    rope_scaling: bool | None = None
-    """llama3: Llama 3.1 RoPE frequency scaling for long context."""
     tie_embeddings: bool | None = None
     """Share the input embedding and output projection (default: the flavor's)."""
     norm_eps: float | None = None
     """RMSNorm epsilon (default: the flavor's)."""
-    n_experts: int | None = None
-    """qwen3_moe: experts per MoE layer (HF's num_experts)."""
-    top_k: int | None = None
-    """qwen3_moe: experts each token is routed to (HF's num_experts_per_tok)."""
-    moe_ffn_dim: int | None = None
-    """qwen3_moe: hidden size of one expert's SwiGLU (HF's moe_intermediate_size)."""
-    norm_topk_prob: bool | None = None
-    """qwen3_moe: renormalize the top_k routing probabilities to sum to 1."""
-    aux_loss_coef: float | None = None
-    """qwen3_moe: weight of the per-sequence load-balancing loss (0 = off; top_k at balance)."""
-    router_z_loss_coef: float | None = None
-    """qwen3_moe: weight of the router z-loss, mean logsumexp(router logits)^2 (0 = off)."""
     attention: AttentionImpl | None = None
     """'sdpa' (default): F.scaled_dot_product_attention, the right choice on GPUs and in fp32.
     'chunked': model/attention.py, the same math in blocks of batched matmuls, for bf16 on CPU,
     where it is 1.2-2.3x faster than SDPA's flash kernel at head_dim <= 64 (BENCHMARKS.md)."""
+    extra: dict[str, Any] = field(default_factory=dict, init=False, metadata={"inline": True})
+    """The family's own fields that are set, by name (written as `[model]` keys)."""
+
+    def __init__(self, *args: Any, **values: Any) -> None:
+        shared = [f for f in dataclasses.fields(ModelConfig) if f.init]
+        if len(args) > len(shared):
+            raise TypeError(f"ModelConfig takes at most {len(shared)} positional arguments")
+        values |= dict(zip((f.name for f in shared), args, strict=False))
+        for f in shared:
+            setattr(self, f.name, values.pop(f.name, f.default))
+        self.extra = values
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         if self.name not in FAMILIES:
@@ -185,9 +184,55 @@ class ModelConfig:
         # Shapes and counts are checked by each family's args; these would only show up as a
         # nan loss (rope_theta 0 gives 0/0 frequencies, norm_eps 0 divides by zero on a
         # zero row), so they are refused here, by name.
-        for name in ("rope_theta", "norm_eps", "ffn_dim_multiplier"):
+        for name in ("rope_theta", "norm_eps"):
             if (value := getattr(self, name)) is not None and value <= 0:
                 raise ConfigError(f"model.{name} must be > 0, got {value}")
+
+    @staticmethod
+    def extra_keys(values: dict[str, Any], names: list[str]) -> dict[str, Any]:
+        """configs/parse.py's hook for keys beyond the shared ones: their types, from the
+        args of the family `values["name"]`; ConfigError for a key it does not have."""
+        name = values.get("name") or "llama3"
+        if name not in FAMILIES:
+            raise ConfigError(f"model.name: {name!r} is not one of: {', '.join(FAMILIES)}")
+        own = family_fields(FAMILIES[name])
+        for key in names:
+            if key in own:
+                continue
+            if others := [n for n, fam in FAMILIES.items() if key in family_fields(fam)]:
+                raise ConfigError(
+                    f"model.{key} does not apply to {name} (a field of {', '.join(others)}; "
+                    f"{name}'s own: {', '.join(own) or 'none'})"
+                )
+            keys = [f.name for f in dataclasses.fields(ModelConfig) if f.init] + list(own)
+            close = difflib.get_close_matches(key, keys, n=1)
+            guess = f"did you mean 'model.{close[0]}'? " if close else ""
+            raise ConfigError(f"unknown key 'model.{key}': {guess}valid keys: {', '.join(keys)}")
+        return {key: own[key][0] for key in names}
+
+    @staticmethod
+    def extra_help() -> list[tuple[str, dict[str, tuple[Any, str, str]]]]:
+        """Each family's own keys for `--help`: (title, {key: (type, default, doc)})."""
+        return [
+            (f"{name}'s own (model.name={name}):",
+             {k: (hint, "default: the flavor's", doc) for k, (hint, doc) in
+              family_fields(family).items()})
+            for name, family in FAMILIES.items()
+        ]  # fmt: skip
+
+
+def family_fields(family: ModelFamily) -> dict[str, tuple[Any, str]]:
+    """A family's own `[model]` keys: the fields of its args dataclass that are not shared
+    ones, with their type and docstring."""
+    args_type = type(next(iter(family.FLAVORS.values())))
+    hints = get_type_hints(args_type)
+    docs = field_docs(args_type)
+    shared = {f.name for f in dataclasses.fields(ModelConfig)}
+    return {
+        f.name: (hints[f.name], docs.get(f.name, ""))
+        for f in dataclasses.fields(args_type)
+        if f.name not in shared
+    }
 
 
 def resolve_args(cfg: ModelConfig, flavors: dict[str, Any]) -> Any:
@@ -202,12 +247,13 @@ def resolve_args(cfg: ModelConfig, flavors: dict[str, Any]) -> Any:
     overrides = {
         f.name: getattr(cfg, f.name)
         for f in dataclasses.fields(cfg)
-        if f.name not in ("name", "flavor") and getattr(cfg, f.name) is not None
-    }
+        if f.init and f.name not in ("name", "flavor") and getattr(cfg, f.name) is not None
+    } | cfg.extra
     if foreign := sorted(set(overrides) - own):
+        mine = sorted(own - {f.name for f in dataclasses.fields(cfg)})
         raise ConfigError(
             f"model: {', '.join('model.' + k for k in foreign)} does not apply to {cfg.name} "
-            f"(its fields: {', '.join(sorted(own & {f.name for f in dataclasses.fields(cfg)}))})"
+            f"(its own fields: {', '.join(mine)})"
         )
     return dataclasses.replace(base, **overrides)
 

@@ -34,13 +34,17 @@ class LlamaArgs:
     n_kv_heads: int
     vocab_size: int
     multiple_of: int = 256
+    """The FFN hidden size is rounded up to a multiple of this."""
     ffn_dim_multiplier: float | None = None
+    """Scales the FFN hidden size (2/3 of 4 x dim)."""
     norm_eps: float = 1e-5
     rope_theta: float = 500_000.0
     rope_scaling: bool = False
     """Llama 3.1 long-context frequency scaling (factor 8 for 8B+, 32 for 1B/3B)."""
     rope_scaling_factor: float = 8.0
+    """Llama 3.1's RoPE scaling factor (with rope_scaling)."""
     max_seq_len: int = 8192
+    """Longest sequence of the published model (HF's max_position_embeddings)."""
     tie_embeddings: bool = False
     attention: AttentionImpl = "sdpa"
     """How attention is computed, not what: see ModelConfig.attention."""
@@ -129,6 +133,8 @@ def build_args(cfg: ModelConfig) -> LlamaArgs:
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of"):
         if getattr(args, name) < 1:
             raise ConfigError(f"model: {name} must be >= 1, got {getattr(args, name)}")
+    if args.ffn_dim_multiplier is not None and args.ffn_dim_multiplier <= 0:
+        raise ConfigError(f"model.ffn_dim_multiplier must be > 0, got {args.ffn_dim_multiplier}")
     if args.dim % args.n_heads != 0:
         raise ConfigError(f"model: dim={args.dim} is not divisible by n_heads={args.n_heads}")
     if args.n_heads % args.n_kv_heads != 0:

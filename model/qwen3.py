@@ -48,6 +48,7 @@ class QwenArgs:
     norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_seq_len: int = 40_960
+    """Longest sequence of the published model (HF's max_position_embeddings)."""
     tie_embeddings: bool = False
     attention: AttentionImpl = "sdpa"
     """How attention is computed, not what: see ModelConfig.attention."""
@@ -119,6 +120,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
+# Copied from model.llama.RMSNorm
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -126,9 +128,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's fused RMSNorm: x * rsqrt(mean(x^2) + eps) * weight computed in float32 (bf16
-        # would lose too much precision in the mean of squares) and rounded once. The same
-        # class serves the block norms (over dim) and QK-norm (over head_dim).
+        # F.rms_norm runs aten::_fused_rms_norm (a dedicated CUDA kernel, where the formula took
+        # ~6 kernels and float32 copies of x). It computes x * rsqrt(mean(x^2) + eps) * weight
+        # in float32 (bf16 would lose too much precision in the mean of squares) and rounds
+        # once: bit-identical to the formula in float32, one rounding fewer in bf16.
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -166,10 +169,12 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
 
+    # Copied from model.llama.FeedForward.forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # SwiGLU
 
 
+# Copied from model.llama.TransformerBlock with LlamaArgs->QwenArgs
 class TransformerBlock(nn.Module):
     def __init__(self, args: QwenArgs) -> None:
         super().__init__()
@@ -200,6 +205,7 @@ class Qwen3(nn.Module):
         # Not persistent: a function of the config, rebuilt by init_buffers, never checkpointed.
         self.register_buffer("rope", torch.empty(0), persistent=False)
 
+    # Copied from model.llama.Transformer.forward
     def forward(
         self,
         tokens: torch.Tensor,
@@ -223,6 +229,7 @@ class Qwen3(nn.Module):
             h = layer(h, rope, mask)
         return self.output(self.norm(h))
 
+    # Copied from model.llama.Transformer.init_weights
     @torch.no_grad()
     def init_weights(
         self,
@@ -230,17 +237,22 @@ class Qwen3(nn.Module):
         rope_len: int | None = None,
         assign: Callable[[torch.Tensor, Draw], None] | None = None,
     ) -> None:
-        """Initialize every parameter from `seed` alone, identically on any mesh and device,
-        with llama's draws (model/random_init.py: each element a function of the seed, the
-        parameter's name and its index) and llama's standard deviations (`_init_std`).
-        `assign(param, draw)` stores the values; by default the whole parameter is drawn."""
+        """Initialize every parameter from `seed` alone, identically on any mesh and device.
+
+        Each element is a function of the seed, the parameter's name and the element's index
+        (model/random_init.py), so the result depends neither on the order of initialization,
+        nor on how the model is split, nor on the device. `assign(param, draw)` stores the
+        values: `draw(region)` returns those of a region of the full parameter (one slice per
+        dimension); by default the whole parameter is drawn; a sharded trainer draws only its
+        shard (see `parallel.fsdp.assign_local_shard`).
+        """
         assign = assign or _assign_whole
         args = self.args
         self.init_buffers(rope_len or args.max_seq_len)  # first: it restores the tie
         for name, param in self.named_parameters():
             key = canonical_name(name)
             std = _init_std(key, args)
-            if std is None:  # RMSNorm gains, q_norm and k_norm included, start at 1
+            if std is None:  # RMSNorm gains start at 1
                 draw: Draw = partial(random_init.ones, tuple(param.shape), device=param.device)
             else:
                 # Untied embeddings: a plain normal; everything else truncated at 3 std.
@@ -251,6 +263,7 @@ class Qwen3(nn.Module):
                 )  # fmt: skip
             assign(param, draw)
 
+    # Copied from model.llama.Transformer.init_buffers
     def init_buffers(self, rope_len: int) -> None:
         """The RoPE table for sequences up to `rope_len`, and the embedding tie: what is not a
         parameter's own value, after `to_empty` or weights loaded from elsewhere."""
@@ -261,12 +274,14 @@ class Qwen3(nn.Module):
         self.rope = rope_frequencies(self.args, rope_len, self.rope.device)
 
 
+# Copied from model.llama._assign_whole
 def _assign_whole(param: torch.Tensor, draw: Draw) -> None:
     param.copy_(draw(tuple(slice(0, n) for n in param.shape)))
 
 
+# Copied from model.llama._init_std with LlamaArgs->QwenArgs
 def _init_std(name: str, args: QwenArgs) -> float | None:
-    """Standard deviation for a parameter, or None for RMSNorm gains (ones): llama's policy."""
+    """Standard deviation for a parameter, or None for RMSNorm gains (ones)."""
     if name.endswith("norm.weight"):
         return None
     if name == "tok_embeddings.weight":
@@ -311,9 +326,12 @@ def build_model(args: QwenArgs) -> Qwen3:
     return Qwen3(args)
 
 
+# Copied from model.llama.fsdp_units with Transformer->Qwen3
 def fsdp_units(model: Qwen3) -> list[nn.Module]:
-    """The blocks, in forward order, each its own FSDP unit; the embeddings, final norm and
-    output projection stay in the root unit."""
+    """Modules sharded as their own FSDP unit (all-gathered and freed one at a time).
+
+    The embeddings, final norm and output projection stay in the root unit.
+    """
     return list(model.layers.values())
 
 

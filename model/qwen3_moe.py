@@ -47,6 +47,7 @@ class Qwen3MoEArgs:
     n_heads: int
     n_kv_heads: int
     head_dim: int
+    """Size of one attention head, set on its own (not dim // n_heads)."""
     vocab_size: int
     n_experts: int
     """Experts per MoE layer (HF's num_experts)."""
@@ -63,6 +64,7 @@ class Qwen3MoEArgs:
     norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_seq_len: int = 40_960
+    """Longest sequence of the published model (HF's max_position_embeddings)."""
     tie_embeddings: bool = False
     attention: AttentionImpl = "sdpa"
     """How attention is computed, not what: see ModelConfig.attention."""
@@ -179,6 +181,7 @@ class Qwen3MoE(nn.Module):
         self.last_expert_load = torch.stack(load).detach()
         return self.output(self.norm(h))
 
+    # Copied from model.llama.Transformer.init_weights
     @torch.no_grad()
     def init_weights(
         self,
@@ -186,31 +189,44 @@ class Qwen3MoE(nn.Module):
         rope_len: int | None = None,
         assign: Callable[[torch.Tensor, Draw], None] | None = None,
     ) -> None:
-        """Every parameter from `seed` alone, as Qwen3's init_weights (model/random_init.py:
-        each element a function of the seed, the name and its index, so a rank holding some
-        experts draws only theirs), with the std of `_init_std`."""
+        """Initialize every parameter from `seed` alone, identically on any mesh and device.
+
+        Each element is a function of the seed, the parameter's name and the element's index
+        (model/random_init.py), so the result depends neither on the order of initialization,
+        nor on how the model is split, nor on the device. `assign(param, draw)` stores the
+        values: `draw(region)` returns those of a region of the full parameter (one slice per
+        dimension); by default the whole parameter is drawn; a sharded trainer draws only its
+        shard (see `parallel.fsdp.assign_local_shard`).
+        """
         assign = assign or _assign_whole
-        self.init_buffers(rope_len or self.args.max_seq_len)
+        args = self.args
+        self.init_buffers(rope_len or args.max_seq_len)  # first: it restores the tie
         for name, param in self.named_parameters():
             key = canonical_name(name)
-            std = _init_std(key, self.args)
-            if std is None:
+            std = _init_std(key, args)
+            if std is None:  # RMSNorm gains start at 1
                 draw: Draw = partial(random_init.ones, tuple(param.shape), device=param.device)
             else:
-                truncated = key != "tok_embeddings.weight" or self.args.tie_embeddings
+                # Untied embeddings: a plain normal; everything else truncated at 3 std.
+                truncated = key != "tok_embeddings.weight" or args.tie_embeddings
                 draw = partial(
                     random_init.normal, seed, key, tuple(param.shape),
                     std=std, truncated=truncated, device=param.device,
                 )  # fmt: skip
             assign(param, draw)
 
+    # Copied from model.llama.Transformer.init_buffers
     def init_buffers(self, rope_len: int) -> None:
-        """The RoPE table and the embedding tie (see Qwen3.init_buffers)."""
+        """The RoPE table for sequences up to `rope_len`, and the embedding tie: what is not a
+        parameter's own value, after `to_empty` or weights loaded from elsewhere."""
         if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # nn.Module.to_empty() gives each module its own copy of a shared parameter (FSDP2's
+            # keeps the tie): share it again, or the output projection would train separately.
             self.output.weight = self.tok_embeddings.weight
         self.rope = rope_frequencies(self.args, rope_len, self.rope.device)
 
 
+# Copied from model.llama._assign_whole
 def _assign_whole(param: torch.Tensor, draw: Draw) -> None:
     param.copy_(draw(tuple(slice(0, n) for n in param.shape)))
 
@@ -249,8 +265,12 @@ def build_model(args: Qwen3MoEArgs) -> Qwen3MoE:
     return Qwen3MoE(args)
 
 
+# Copied from model.llama.fsdp_units with Transformer->Qwen3MoE
 def fsdp_units(model: Qwen3MoE) -> list[nn.Module]:
-    """The blocks in forward order, each one FSDP unit, its experts included."""
+    """Modules sharded as their own FSDP unit (all-gathered and freed one at a time).
+
+    The embeddings, final norm and output projection stay in the root unit.
+    """
     return list(model.layers.values())
 
 

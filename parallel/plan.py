@@ -50,10 +50,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
+from configs import ConfigError
 from model import ModelFamily, moe_family
 from parallel.float8 import Float8Config
 from parallel.fsdp import Reshard, reshard_plan
@@ -200,11 +201,8 @@ def model_shape(
         reached = reached or any(p.requires_grad for p in u.parameters())
         blocks.append(unit(list(u.parameters()), reached))
     root = [p for p in model.parameters() if id(p) not in in_unit]
-    if moe is not None:  # one expert's SwiGLU hidden size
-        ffn_hidden, top_k, n_experts = args.moe_ffn_dim, args.top_k, args.n_experts
-    else:  # the widest Linear output of a block is its FFN hidden size (SwiGLU's up projections)
-        ffn_hidden = max(m.out_features for m in units[0].modules() if isinstance(m, nn.Linear))
-        top_k = n_experts = 0
+    ffn_hidden = block_ffn_hidden(units, args, moe is not None)
+    top_k, n_experts = (args.top_k, args.n_experts) if moe is not None else (0, 0)
     return ModelShape(
         [*blocks, unit(root)],
         dim=args.dim,
@@ -215,6 +213,47 @@ def model_shape(
         top_k=top_k,
         n_experts=n_experts,
     )
+
+
+def block_ffn_hidden(units: list[nn.Module], args: Any, moe: bool) -> int:
+    """The FFN hidden size every block shares (an expert's, for a mixture of experts), after
+    checking that each block is the one kind the formulas here count: attention (q, k, v, o
+    projections) and a SwiGLU FFN (3 matrices) or an MoE layer (a router and n_experts SwiGLU
+    experts), plus norm gains. A block with anything else (shared experts, dense layers among
+    MoE ones, another attention, biases, FFNs of different widths) is refused by name rather
+    than miscounted: its matrices are compared with what the formulas assume."""
+    d, heads = args.dim, args.n_heads * args.head_dim
+    attention = 2 * d * heads + 2 * d * args.n_kv_heads * args.head_dim
+    widths = set()
+    for i, block in enumerate(units):
+        # LoRA's adapters are counted from the parameters themselves (Unit); not a shape here.
+        linears = [(n, m) for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+        base = [m for n, m in linears if ".lora_" not in f".{n}"]
+        adapters = {id(p) for n, m in linears if ".lora_" in f".{n}" for p in m.parameters()}
+        matrices = sum(
+            p.numel() for p in block.parameters() if p.ndim >= 2 and id(p) not in adapters
+        )
+        if moe:
+            hidden = args.moe_ffn_dim
+            ffn = d * args.n_experts + 3 * args.n_experts * d * hidden
+            kind = f"attention and {args.n_experts} experts of hidden {hidden} with their router"
+        else:
+            hidden = max(m.out_features for m in base)  # SwiGLU's up projections are the widest
+            ffn = 3 * d * hidden
+            kind = f"attention and a SwiGLU FFN of hidden {hidden}"
+        if matrices != attention + ffn:
+            raise ConfigError(
+                f"planner: block {i} has {matrices:,} weights in matrices, not the "
+                f"{attention + ffn:,} of {kind}: parallel/plan.py counts only such blocks, so "
+                "its memory and traffic figures would be wrong for this model"
+            )
+        widths.add(hidden)
+    if len(widths) > 1:
+        raise ConfigError(
+            f"planner: the blocks' FFN hidden sizes differ ({sorted(widths)}); parallel/plan.py "
+            "counts blocks of one width"
+        )
+    return widths.pop()
 
 
 def _tp_split_params(model: nn.Module, tp_plan: dict[str, str] | None) -> set[int]:

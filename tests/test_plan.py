@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
+from configs import ConfigError
 from launch.plan import main
-from model import llama
+from model import FAMILIES, get_family, llama
 from parallel.float8 import Float8Config
 from parallel.plan import model_shape, plan_communication, plan_memory
 from tests.distributed import run_distributed
@@ -277,3 +282,56 @@ def test_cli_expert_parallel_for_a_mixture_of_experts(capsys: pytest.CaptureFixt
     assert "recommended: FSDP 1x16 EP8" in out
     main(["--model", "8B", "--nodes", "2", "--ep", "8"])  # a dense family: no EP column
     assert "EP8" not in capsys.readouterr().out
+
+
+def _family_with(edit: Callable[[nn.Module], None], base: str = "qwen3_moe") -> SimpleNamespace:
+    """A scratch family: `base`'s contract, its model changed by `edit` after it is built."""
+    family = get_family(base)
+
+    def build_model(args: object) -> nn.Module:
+        model = family.build_model(args)
+        edit(model)
+        return model
+
+    names = ["FLAVORS", "fsdp_units", "fp8_linears", "flops_per_token", "TP_PLAN", "build_args"]
+    names += ["expert_modules"] if base == "qwen3_moe" else []
+    return SimpleNamespace(build_model=build_model, **{n: getattr(family, n) for n in names})
+
+
+def _shared_expert(model: nn.Module) -> None:  # DeepSeek-style: a dense SwiGLU beside the experts
+    for block in model.layers.values():
+        block.shared = nn.ModuleList(nn.Linear(64, 32, bias=False) for _ in range(3))
+
+
+def _dense_first_layer(model: nn.Module) -> None:  # DeepSeek-style: the first layers dense
+    from model.qwen3 import FeedForward
+
+    args = SimpleNamespace(dim=model.args.dim, ffn_dim=512)
+    del model.layers["0"].moe
+    model.layers["0"].feed_forward = FeedForward(args)
+
+
+@pytest.mark.parametrize(
+    ("edit", "base", "block"),
+    [(_shared_expert, "qwen3_moe", 0), (_dense_first_layer, "qwen3_moe", 0),
+     (lambda m: setattr(m.layers["1"].attention.wq, "bias", nn.Parameter(torch.zeros(1, 1))),
+      "llama3", 1)],
+    ids=["shared-experts", "dense-first-layer", "another-block"],
+)  # fmt: skip
+def test_planner_refuses_blocks_it_does_not_count_by_name(
+    edit: Callable[[nn.Module], None], base: str, block: int
+) -> None:
+    """A block that is not attention + SwiGLU FFN (or + router and experts) is refused, naming
+    the block, never miscounted; every shipped flavor passes (test_planner_counts_...)."""
+    family = _family_with(edit, base)
+    with pytest.raises(
+        ConfigError, match=rf"planner: block {block} has [\d,]+ weights in matrices"
+    ):
+        model_shape(family, family.FLAVORS["debug"])
+
+
+def test_planner_counts_every_shipped_flavor() -> None:
+    for name, family in FAMILIES.items():
+        for flavor, args in family.FLAVORS.items():
+            shape = model_shape(family, args)
+            assert shape.ffn_hidden > 0 and shape.n_layers == args.n_layers, (name, flavor)
