@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +46,11 @@ from launch.job import JobConfig
 from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
 from model import ModelConfig, ModelFamily, get_family, get_hf_mapping
+from parallel.ac import ActivationCheckpointConfig
 from parallel.build import build_model
 from parallel.dims import LaunchEnv, resolve_dims
 from parallel.ep import check_ep
-from parallel.float8 import check_float8, unmatched_skips
+from parallel.float8 import Float8Config, check_float8, unmatched_skips
 from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
 
@@ -167,7 +168,27 @@ def unintended_settings(job: JobConfig) -> list[str]:
             f"metrics.profile_step ({job.metrics.profile_step}) > train.steps ({steps}): "
             "nothing will be profiled"
         )
+    # A key that only another mode reads, changed from its default: said, not ignored. Not an
+    # error: switching a feature off for one run (--fp8.enabled=false) keeps its section's keys.
+    if job.ac.every != ActivationCheckpointConfig().every and job.ac.mode != "selective":
+        warnings.append(
+            f"ac.every={job.ac.every} has no effect with ac.mode={job.ac.mode!r}: it picks the "
+            "recomputed blocks of ac.mode='selective' only"
+        )
+    if not job.fp8.enabled and (unused := changed_fields(job.fp8, Float8Config())):
+        settings = ", ".join(f"fp8.{name}={value!r}" for name, value in unused.items())
+        verb = "has" if len(unused) == 1 else "have"
+        warnings.append(f"{settings} {verb} no effect with fp8.enabled=false")
     return warnings
+
+
+def changed_fields(cfg: Any, default: Any) -> dict[str, Any]:
+    """The fields of a config section, but its `enabled` switch, that differ from `default`."""
+    return {
+        f.name: getattr(cfg, f.name)
+        for f in fields(cfg)
+        if f.name != "enabled" and getattr(cfg, f.name) != getattr(default, f.name)
+    }
 
 
 def data_paths(cfg: DataConfig) -> list[str]:

@@ -102,6 +102,36 @@ def test_settings_that_are_valid_but_likely_unintended_are_warned_about(
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
+def test_settings_that_have_no_effect_in_a_config_file_are_warned_about(
+    tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Keys another mode reads (ac.every outside 'selective', fp8.* with FP8 off), changed from
+    their defaults: one warning each on rank 0, and the run goes on. At their defaults, or with
+    the mode that reads them, nothing is said."""
+    config = tmp_path / "run.toml"
+    config.write_text(
+        '[ac]\nmode = "full"\nevery = 2\n[fp8]\nrecipe = "rowwise"\nskip = ["output", "wo"]\n'
+    )
+    argv = [*base_argv(tiny_dataset, tmp_path), "--train.micro_batch_size=2", "--dry-run"]
+    os.environ.pop("WORLD_SIZE", None)
+
+    def warnings(*extra: str) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="train"):
+            assert train.main([str(config), *argv, "--train.steps=20", *extra]) == 0
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    assert warnings() == [
+        "ac.every=2 has no effect with ac.mode='full': it picks the recomputed blocks of "
+        "ac.mode='selective' only",
+        "fp8.recipe='rowwise', fp8.skip=['output', 'wo'] have no effect with fp8.enabled=false",
+    ]
+    assert warnings("--ac.mode=none", "--fp8.skip=output")[1:] == [
+        "fp8.recipe='rowwise' has no effect with fp8.enabled=false"
+    ]
+    assert warnings("--ac.mode=selective", "--fp8.recipe=tensorwise", "--fp8.skip=output") == []
+
+
 @pytest.mark.slow
 def test_bad_mesh_under_torchrun_exits_fast_and_reports_once(
     tiny_dataset: str, tmp_path: Path
