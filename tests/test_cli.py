@@ -57,6 +57,7 @@ def run_cli(args: list[str], nproc: int = 2, timeout: float = 120) -> subprocess
         ("--run.output_dir=", "run.output_dir is empty"),
         ("--checkpoint.folder=", "checkpoint.folder='' names no folder of its own"),
         ("--checkpoint.folder=a/../../b", "checkpoint.folder='a/../../b' leaves its parent"),
+        ("--checkpoint.init_from_hf=", "checkpoint.init_from_hf='' names no folder"),
         (
             "--checkpoint.init_from_hf=/some/hf --checkpoint.resume=/some/run/step-4",
             "checkpoint.init_from_hf and checkpoint.resume='/some/run/step-4' both give",
@@ -78,6 +79,21 @@ def test_config_errors_are_one_line_before_any_collective(
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "\n" not in errors[0]
     assert message in errors[0], errors[0]
+
+
+def test_an_empty_path_in_a_config_file_is_one_config_error(
+    tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`init_from_hf = ""` is no Hugging Face folder: one line naming the key, not a run that
+    trains from random weights and writes "" into its config."""
+    config = tmp_path / "run.toml"
+    config.write_text('[checkpoint]\ninit_from_hf = ""\n')
+    os.environ.pop("WORLD_SIZE", None)
+    with caplog.at_level(logging.ERROR, logger="train"):
+        assert train.main([str(config), *base_argv(tiny_dataset, tmp_path)]) == 2
+    [error] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert error.startswith("config error: checkpoint.init_from_hf='' names no folder"), error
+    assert not (tmp_path / "debug").exists()
 
 
 def test_settings_that_are_valid_but_likely_unintended_are_warned_about(
