@@ -19,6 +19,23 @@ set -euo pipefail
 # current directory from shadowing the check's modules.
 repo=$(cd "$(dirname "$0")/.." && pwd)
 
+me=torchrun.sh
+# Numbers from the environment, checked before anything uses them: one line, instead of a bash
+# arithmetic error or torchrun's usage text. The same function is in torchrun.sh, multinode.sh
+# and hsdp.sbatch (tests/test_launch.py keeps the copies equal).
+check_number() {  # check_number NAME MIN [MAX]: $NAME, if set, is a whole number in MIN..MAX
+    local value=${!1:-} max=${3:-999999999} range=">= $2"
+    if [[ -z $value || ($value =~ ^(0|[1-9][0-9]{0,8})$ && $value -ge $2 && $value -le $max) ]]; then
+        return 0
+    fi
+    [[ -z ${3:-} ]] || range="in $2..$3"
+    echo "$me: $1 must be a whole number $range, got '$value'" >&2
+    exit 2
+}
+check_number NPROC 1
+check_number MAX_RESTARTS 0
+check_number TORCH_ELASTIC_SHUTDOWN_TIMEOUT 0
+
 TORCHRUN=${TORCHRUN:-torchrun}
 torchrun_path=$(command -v "${TORCHRUN%% *}" || true)
 if [[ -z $torchrun_path ]]; then

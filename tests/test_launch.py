@@ -318,6 +318,54 @@ def test_launchers_resolve_relative_paths_from_where_they_are_started(
     assert not (ROOT / "runs").exists()
 
 
+# Each number a launcher reads from the environment, given as a user might get it wrong.
+BAD_NUMBERS = [
+    ("torchrun.sh", {"MAX_RESTARTS": "abc"}, "MAX_RESTARTS must be a whole number >= 0, got 'abc'"),
+    ("torchrun.sh", {"NPROC": "0"}, "NPROC must be a whole number >= 1, got '0'"),
+    ("torchrun.sh", {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30s"},
+     "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a whole number >= 0, got '30s'"),
+    ("multinode.sh", {"NNODES": "two"}, "NNODES must be a whole number >= 1, got 'two'"),
+    ("multinode.sh", {"NPROC": "08"}, "NPROC must be a whole number >= 1, got '08'"),
+    ("multinode.sh", {"MASTER_PORT": "70000"}, "MASTER_PORT must be a whole number in 1..65535"),
+    ("multinode.sh", {"MAX_RESTARTS": "-1"}, "MAX_RESTARTS must be a whole number >= 0, got '-1'"),
+    ("multinode.sh", {"RDZV_BACKEND": "static", "NODE_RANK": "2"},
+     "NODE_RANK must be a whole number in 0..1, got '2'"),
+    ("hsdp.sbatch", {"NPROC_PER_NODE": "eight"}, "NPROC_PER_NODE must be a whole number >= 1"),
+    ("hsdp.sbatch", {"MASTER_PORT": "0"}, "MASTER_PORT must be a whole number in 1..65535"),
+    ("hsdp.sbatch", {"MAX_RESTARTS": "3 "}, "MAX_RESTARTS must be a whole number >= 0, got '3 '"),
+    ("hsdp.sbatch", {"TIMEOUT_S": "10m"}, "TIMEOUT_S must be a whole number >= 1, got '10m'"),
+    ("hsdp.sbatch", {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1.5"},
+     "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a whole number >= 0, got '1.5'"),
+    ("hsdp.sbatch", {"PREFLIGHT": "yes"}, "PREFLIGHT must be a whole number in 0..1, got 'yes'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("script", "bad", "message"), BAD_NUMBERS)
+def test_a_launcher_variable_that_is_no_number_is_one_line(
+    script: str, bad: dict[str, str], message: str
+) -> None:
+    """`MAX_RESTARTS=abc ./launch/torchrun.sh ...`: the launcher's own line and exit status 2,
+    before anything starts; not torchrun's usage text or a bash arithmetic error."""
+    env = ENV | {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "SLURM_JOB_ID": "1"} | bad
+    cmd = ["bash", "launch/hsdp.sbatch"] if script == "hsdp.sbatch" else [f"launch/{script}"]
+    result = subprocess.run([*cmd, "configs/debug.toml"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=30)  # fmt: skip
+    assert result.returncode == 2 and not result.stdout, result
+    assert result.stderr.startswith(f"{script}: {message}") and result.stderr.count("\n") == 1
+
+
+def test_the_launchers_check_numbers_with_one_function() -> None:
+    """check_number is copied into each script (hsdp.sbatch runs from a spooled copy and cannot
+    source a file beside it): the copies stay equal."""
+    copies = {
+        script: re.search(r"\n(# Numbers from the environment.*?\n\}\n)", text, re.S)
+        for script in ("torchrun.sh", "multinode.sh", "hsdp.sbatch")
+        if (text := (ROOT / "launch" / script).read_text())
+    }
+    assert all(copies.values()), copies
+    assert len({match[1] for match in copies.values()}) == 1
+
+
 def test_hsdp_sbatch_outside_slurm_is_one_line(tmp_path: Path) -> None:
     """`bash launch/hsdp.sbatch` (no sbatch) has no job, no nodes and no srun: say so."""
     env = {k: v for k, v in ENV.items() if not k.startswith("SLURM_")}
