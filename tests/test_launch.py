@@ -521,6 +521,57 @@ def test_torchrun_sh_restarts_a_killed_rank_from_the_checkpoint(
           f"{restarted:.1f} s after the kill")  # fmt: skip
 
 
+@pytest.mark.slow
+def test_torchrun_sh_run_a_rank_stops_ends_with_the_ranks_line(
+    tiny_dataset: str, tmp_path: Path, launch
+) -> None:
+    """A non-finite loss stops the run from inside the ranks: the log ends with rank 0's line,
+    not torchrun's ChildFailedError report, and the launcher exits with the rank's status (1)."""
+    args = tiny_args(
+        tiny_dataset, tmp_path, "--train.steps=4", "--optim.lr=1e30", "--optim.warmup_steps=0",
+        "--train.max_grad_norm=0",
+    )  # fmt: skip
+    run = launch.single(tmp_path / "run.log", args)
+    assert run.wait(timeout=120) == [1], run.text()[-4000:]
+    log = run.text()
+    last = log.strip().splitlines()[-1]
+    assert re.search(r"\[rank0\] ERROR step \d+: loss .* grad norm (nan|inf); stopping", last), log
+    for noise in ("Traceback", "ChildFailedError", "torch/distributed/elastic"):
+        assert noise not in log, log[-4000:]
+
+
+def test_the_agent_keeps_torchruns_report_only_for_a_rank_killed_by_a_signal() -> None:
+    """launch/agent.py: a rank that exited with a status printed why (its line, or a traceback);
+    one a signal killed printed nothing, and torchrun's report is what names it. The agent's
+    lines about the failure wait until that is known, and come in their order otherwise."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from launch.agent import HoldBack, reported_status
+
+    def failed(*codes: int) -> ChildFailedError:
+        failures = {r: ProcessFailure(r, 100 + r, code, "<N/A>") for r, code in enumerate(codes)}
+        return ChildFailedError("train.py", failures)
+
+    assert reported_status(failed(1, -15)) == 1 and reported_status(failed(2)) == 2
+    assert reported_status(failed(-9, -15)) is None
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger, hold = logging.getLogger("torch.distributed.elastic.test_agent"), HoldBack()
+    logger.propagate, logger.handlers = False, [handler]
+    logger.addFilter(hold)
+    logger.warning("Sending process %s closing signal %s", 101, "SIGTERM")
+    logger.error("failed (exitcode: %s) local_rank: %s", -9, 0)
+    assert seen == [] and len(hold.held) == 2
+    logger.warning("Worker group FAILED. 1/1 attempts left; will restart worker group")
+    assert seen == [
+        "Sending process 101 closing signal SIGTERM",
+        "failed (exitcode: -9) local_rank: 0",
+        "Worker group FAILED. 1/1 attempts left; will restart worker group",
+    ]
+
+
 # ---- Slurm: a real controller and two slurmd "nodes" in network namespaces (tests/slurm) -----
 
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
