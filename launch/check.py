@@ -30,7 +30,7 @@ import torch
 from checkpoint import ResumePoint, check_resume, checkpoint_folder, list_step_dirs
 from checkpoint.hf import check_hf_config
 from checkpoint.integrity import read_manifest, verify_files
-from checkpoint.resume import DAMAGED_HINT
+from checkpoint.resume import DAMAGED_HINT, ModelMismatch
 from checkpoint.state import CONFIG, read_run_config
 from configs import ConfigError, HelpRequested, config_to_dict, config_to_toml, parse_config
 from data.documents import check_documents
@@ -123,14 +123,17 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
     # or unwritable path) surface here too, before anything could hang on them.
     shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
-    resume = check_resume(
-        job.checkpoint,
-        Path(job.run.output_dir) / job.run.name,
-        shapes,
-        positions_per_micro_step=t.micro_batch_size * dp,
-        is_rank0=env.rank == 0,
-        create_folder=not job.dry_run,
-    )
+    try:
+        resume = check_resume(
+            job.checkpoint,
+            Path(job.run.output_dir) / job.run.name,
+            shapes,
+            positions_per_micro_step=t.micro_batch_size * dp,
+            is_rank0=env.rank == 0,
+            create_folder=not job.dry_run,
+        )
+    except ModelMismatch as misfit:
+        raise explain_misfit(job, misfit) from None
     if job.fp8.enabled and (unmatched := unmatched_skips(meta_model, job.fp8.skip)):
         raise ConfigError(
             f"fp8.skip: {', '.join(unmatched)} matches no Linear layer of this model "
@@ -270,6 +273,46 @@ def resume_changes(job: JobConfig, path: Path) -> list[str]:
             "new run.name, or use checkpoint.load_model_only=true to start over from its weights"
         )
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if not k.startswith("model.")]
+
+
+# The [lora] keys that decide which adapter parameters a model has, and their shapes.
+LORA_PARAMETERS = ("lora.enabled", "lora.rank", "lora.targets")
+
+
+def explain_misfit(job: JobConfig, misfit: ModelMismatch) -> ConfigError:
+    """A checkpoint whose parameters are not this model's: the settings that differ from the
+    checkpoint's and the way that works, or the parameters themselves when no setting does."""
+    try:
+        saved, _ = read_run_config(misfit.path, {CONFIG})
+    except Exception:  # noqa: BLE001 - without its config, the parameters say what differs
+        return misfit
+    old, new = flatten(saved), flatten(config_to_dict(job))
+    model = sorted(
+        k for k in old.keys() | new.keys()
+        if k.startswith("model.") and k != "model.attention" and old.get(k) != new.get(k)
+    )  # fmt: skip
+    # With LoRA switched on or off, its rank and targets say nothing more.
+    lora = [k for k in LORA_PARAMETERS if old.get(k) != new.get(k)]
+    lora = lora[:1] if "lora.enabled" in lora else lora if job.lora.enabled else []
+    if not model and not lora:
+        return misfit
+    what = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in model + lora)
+    path, verb = misfit.path, "starting from" if misfit.model_only else "resuming"
+    start = f"{verb} {path} with a changed {what} (parameters: {misfit.summary})"
+    if model:
+        return ConfigError(
+            f"{start}: a checkpoint loads only into the model it was saved from; set the model.* "
+            "keys as it has them (see its config.toml)"
+        )
+    # Neither a resume nor load_model_only can add, drop or reshape adapters; the export merges
+    # a LoRA run's adapters into its weights, and a run from those starts its own adapters.
+    where = "in place of checkpoint.resume" if misfit.model_only else "and a new run.name"
+    return ConfigError(
+        f"{start}: a checkpoint loads only into the model it was saved from, LoRA adapters "
+        f"included; to train with these [lora] settings from its weights, start a new run from "
+        f"its export: python -m checkpoint.export {path} DIR --dtype float32 (any adapters "
+        f"merged in), then --checkpoint.init_from_hf=DIR {where}"
+    )
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
