@@ -42,8 +42,8 @@ DAMAGED_HINT = "the checkpoint is damaged: resume another one (an older step-N o
 
 
 class ModelMismatch(ConfigError):
-    """A checkpoint whose parameters (names or shapes) are not this model's. `launch/check.py`
-    names the settings behind it, from the checkpoint's config."""
+    """A checkpoint whose parameters (names or shapes) are not this model's. `check_config`
+    names the settings behind it from the checkpoint's config (launch/resume_rules.py)."""
 
     def __init__(self, message: str, path: Path, summary: str, model_only: bool) -> None:
         super().__init__(message)
