@@ -540,6 +540,34 @@ def test_torchrun_sh_run_a_rank_stops_ends_with_the_ranks_line(
         assert noise not in log, log[-4000:]
 
 
+def test_a_stop_signal_to_a_rank_already_ending_on_an_error_says_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """torchrun stops the other ranks while they wait for rank 0 to report an error: a rank
+    ending on an error does not announce a stop after its current step (there is none)."""
+    from launch.lifecycle import STOP_SIGNALS, StopRequest
+
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    stop = StopRequest()
+    stop.install()
+    try:
+        with caplog.at_level(logging.WARNING):
+            try:
+                raise RuntimeError("step 2: loss nan")
+            except RuntimeError:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            assert stop.requested and caplog.text == ""
+            os.kill(os.getpid(), signal.SIGTERM)  # a second signal, outside: not said either
+            assert "received" not in caplog.text
+            fresh = StopRequest()
+            fresh.install()
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert "SIGTERM received: stopping after the current step" in caplog.text
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def test_the_agent_keeps_torchruns_report_only_for_a_rank_killed_by_a_signal() -> None:
     """launch/agent.py: a rank that exited with a status printed why (its line, or a traceback);
     one a signal killed printed nothing, and torchrun's report is what names it. The agent's
