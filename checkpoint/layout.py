@@ -61,6 +61,12 @@ class CheckpointConfig:
                 f"checkpoint.load_model_only needs checkpoint.resume=<path to a step-N "
                 f"directory>, got resume='{self.resume}'"
             )
+        if self.init_from_hf is not None and not self.init_from_hf.strip():
+            # Falsy, it would be taken for "not set": the run would train from random weights.
+            raise ConfigError(
+                f"checkpoint.init_from_hf={self.init_from_hf!r} names no folder: give a local "
+                "Hugging Face directory, or leave the key out (none) to start from random weights"
+            )
         if self.init_from_hf and self.resume not in ("auto", "none"):
             # Two sources of weights: which would win is a guess, so neither is chosen silently.
             raise ConfigError(

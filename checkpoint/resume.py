@@ -42,6 +42,15 @@ logger = logging.getLogger(__name__)
 DAMAGED_HINT = "the checkpoint is damaged: resume another one (an older step-N of its run)"
 
 
+class ModelMismatch(ConfigError):
+    """A checkpoint whose parameters (names or shapes) are not this model's. `check_config`
+    names the settings behind it from the checkpoint's config (launch/resume_rules.py)."""
+
+    def __init__(self, message: str, path: Path, summary: str, model_only: bool) -> None:
+        super().__init__(message)
+        self.path, self.summary, self.model_only = path, summary, model_only
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     path: Path
@@ -140,7 +149,7 @@ def _resume_point(
     """Check that the checkpoint `path` is intact (as far as file sizes and its metadata tell)
     and fits this run. CorruptCheckpoint for a damaged file, ConfigError for a misfit."""
     metadata = check_files(path)
-    _check_model(path, metadata, model_shapes)
+    _check_model(path, metadata, model_shapes, model_only)
     if model_only:
         return ResumePoint(path, 0, model_only=True)
     try:
@@ -190,7 +199,9 @@ def _check_resume_path(path: Path) -> Path:
     return path
 
 
-def _check_model(path: Path, metadata: Metadata, expected: dict[str, tuple[int, ...]]) -> None:
+def _check_model(
+    path: Path, metadata: Metadata, expected: dict[str, tuple[int, ...]], model_only: bool
+) -> None:
     """Compare the checkpoint's model entries (from its metadata) with this run's model."""
     saved = {
         key.removeprefix(f"{MODEL}."): tuple(meta.size)
@@ -210,8 +221,8 @@ def _check_model(path: Path, metadata: Metadata, expected: dict[str, tuple[int, 
         counts.append((len(shapes), "with another shape"))
         summary = ", ".join(f"{n} {what}" for n, what in counts if n)
         more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
-        raise ConfigError(
+        raise ModelMismatch(
             f"checkpoint {path} does not fit this model ({summary}: {'; '.join(problems[:10])}"
-            f"{more}); set the model.* keys it was trained with (see its config.toml), or "
-            "checkpoint.resume=none to start over"
-        )
+            f"{more}); set the model.* and lora.* keys it was trained with (see its config.toml)",
+            path, summary, model_only,
+        )  # fmt: skip

@@ -11,6 +11,11 @@ The format follows the file name, so a directory may mix them:
 With ``--format prompt_response`` or ``chat`` every JSONL line is an example (data/sft.py),
 checked here and passed on as the line itself.
 
+A file read whole that holds a NUL byte is binary, not text (the rule of git and grep): it is
+skipped and counted, never tokenized (``NotText``; docs/data.md says why skipping, not refusing).
+With a tokenizer that reads text, a file that is not valid UTF-8 is recorded with the offset of
+its first bad byte and the characters the tokenizer will see replaced.
+
 Keys name a document independently of where the corpus lives and of how many workers encode it,
 so the hash-based train/val split is stable. Nothing is loaded whole except a single document:
 JSONL is read in pieces, parquet one record batch at a time.
@@ -18,6 +23,7 @@ JSONL is read in pieces, parquet one record batch at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import glob
 import importlib
@@ -25,6 +31,7 @@ import json
 import os
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal, Protocol
@@ -276,12 +283,78 @@ def _parquet_documents(path: Path, key: str, field: str) -> Iterator[tuple[str, 
         raise ConfigError(f"data prepare: '{path}': row {row} and after do not read ({e})") from e
 
 
+@dataclass
+class NotText:
+    """Files read whole (``.txt``, ``.py``, ...) whose bytes are not UTF-8 text, as
+    ``iter_documents`` meets them; ``data.prepare`` reports them once, at the end."""
+
+    decodes: bool
+    """The tokenizer decodes UTF-8 (a tokenizer.json): bytes that are not UTF-8 reach it as
+    U+FFFD. The byte tokenizer keeps every byte as it is, so then nothing is replaced."""
+    binary: list[str] = dataclasses.field(default_factory=list)
+    """Files skipped for a NUL byte, in corpus order."""
+    not_utf8: list[str] = dataclasses.field(default_factory=list)
+    """Each file that is not UTF-8, with the offset of its first bad byte (decodes only)."""
+    replaced: int = 0
+    """Characters of those files the tokenizer sees as U+FFFD."""
+
+    def admit(self, path: Path, data: bytes, codec: Codec | None) -> bool:
+        """False for a binary file (recorded); else record what decoding would replace."""
+        if b"\0" in data:
+            self.binary.append(str(path))
+            return False
+        if self.decodes and not data.isascii():
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                where = f"{path} at byte offset {e.start}" + (" (decompressed)" if codec else "")
+                self.not_utf8.append(where)
+                # Every U+FFFD the tokenizer will see, less those the file itself spells.
+                text = data.decode("utf-8", errors="replace")
+                self.replaced += text.count("\ufffd") - data.count("\ufffd".encode())
+        return True
+
+    def summary(self) -> str:
+        """For the end of prepare's summary line: ', 2 binary files skipped', or ''."""
+        text = f", {_count(len(self.binary), 'binary file')} skipped" if self.binary else ""
+        if self.not_utf8:
+            text += f", {_count(self.replaced, 'character')} replaced by U+FFFD"
+        return text
+
+    def warnings(self, named: int = 3) -> list[str]:
+        """One line per kind of file that is not text, naming the first `named` of them."""
+        lines = []
+        if files := self.binary:
+            more = f" and {len(files) - named} more" if len(files) > named else ""
+            lines.append(
+                f"{_count(len(files), 'binary file')} skipped (a NUL byte, which text never "
+                f"holds): {', '.join(files[:named])}{more}"
+            )
+        if files := self.not_utf8:
+            more = f" and {len(files) - 1} more" if len(files) > 1 else ""
+            lines.append(
+                f"{_count(len(files), 'file')} not UTF-8: the tokenizer reads "
+                f"{_count(self.replaced, 'character')} of {'it' if len(files) == 1 else 'them'} "
+                f"as U+FFFD (first: {files[0]}{more}); convert to UTF-8 to keep the text "
+                "(iconv -f latin1 -t utf-8)"
+            )
+        return lines
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def iter_documents(
-    files: list[tuple[Path, str]], field: str, examples: ExampleKind | None = None
+    files: list[tuple[Path, str]],
+    field: str,
+    examples: ExampleKind | None = None,
+    not_text: NotText | None = None,
 ) -> Iterator[tuple[str, bytes, int]]:
     """``(doc_key, utf-8 bytes, input bytes read so far)`` for every document, in order. With
     `examples` (a data.sft kind), every line of the JSONL files is an example of that kind,
-    checked, and the document is the line itself.
+    checked, and the document is the line itself. With `not_text`, a binary file read whole is
+    skipped and recorded there, and one that is not UTF-8 recorded.
 
     The byte count (over all files, compressed sizes for compressed files) drives the progress bar.
     """
@@ -293,10 +366,10 @@ def iter_documents(
             docs = _jsonl_documents(path, key, codec, field, examples)
         elif kind == "parquet":
             docs = _parquet_documents(path, key, field)
-        elif codec:  # raw bytes, not decoded text: files that are not valid UTF-8 stay exact
-            docs = iter([(key, b"".join(data for data, _ in _pieces(path, codec)), size)])
-        else:
-            docs = iter([(key, path.read_bytes(), size)])
+        else:  # raw bytes, not decoded text: files that are not valid UTF-8 stay exact
+            data = b"".join(d for d, _ in _pieces(path, codec)) if codec else path.read_bytes()
+            text = not_text is None or not_text.admit(path, data, codec)
+            docs = iter([(key, data, size)] if text else [])
         for doc_key, doc, offset in docs:
             yield doc_key, doc, done + offset
         done += size

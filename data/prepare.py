@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from configs import ConfigError
 from data.encode import Chunk, Encoded, encode_in_order
-from data.inputs import DEFAULT_PATTERN, check_inputs, find_files, iter_documents
+from data.inputs import DEFAULT_PATTERN, NotText, check_inputs, find_files, iter_documents
 from data.sft import KINDS, load_format
 from data.sft import PATTERN as EXAMPLE_PATTERN
 from data.sft import Kind as ExampleKind
@@ -249,14 +249,17 @@ def prepare(
     try:
         masked = example_format is not None
         writers = {s: ShardWriter(tmp, s, dtype, shard_tokens, masked) for s in SPLITS}
-        chunks = _chunks(iter_documents(files, field, examples))
+        # A byte tokenizer keeps any byte; a tokenizer.json reads text, decoded from UTF-8.
+        not_text = NotText(decodes=tok.describe()["kind"] != "byte")
+        chunks = _chunks(iter_documents(files, field, examples, not_text))
         # Workers rebuild the tokenizer from its resolved path: this process's cwd is not theirs.
         resolved = tok.describe()["path"]
         total_bytes = sum(path.stat().st_size for path, _ in files)
         encoded = encode_in_order(chunks, tok, dtype, workers, resolved, eos_token, example_format)
         with closing(encoded):
             if _write_splits(encoded, total_bytes, val_fraction, writers) == 0:
-                raise ConfigError(f"data prepare: no text found in {', '.join(inputs)}")
+                skipped = "".join(f" ({line})" for line in not_text.warnings())
+                raise ConfigError(f"data prepare: no text found in {', '.join(inputs)}{skipped}")
         for w in writers.values():
             w.close()
         num_docs = {s: w.num_documents for s, w in writers.items()}
@@ -287,14 +290,16 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
+    for warning in not_text.warnings():  # one line per kind, naming the first few files
+        logger.warning("%s", warning)
     tokens = {s: f"{sum(sh['num_tokens'] for sh in w.shards):,} tokens" for s, w in writers.items()}
     if masked:  # "train 7329 examples 70,371 tokens (26,397 targets)"
         tokens = {s: f"{n} ({writers[s].num_targets:,} targets)" for s, n in tokens.items()}
     logger.info(
-        "prepared %s in %.1fs: train %d %s %s, val %d %s %s (%s, vocab %d, %s)",
+        "prepared %s in %.1fs: train %d %s %s, val %d %s %s (%s, vocab %d, %s%s)",
         out, time.perf_counter() - start, num_docs["train"], "examples" if masked else "docs",
         tokens["train"], num_docs["val"], "examples" if masked else "docs", tokens["val"],
-        tok.describe()["kind"], tok.vocab_size, dtype.name,
+        tok.describe()["kind"], tok.vocab_size, dtype.name, not_text.summary(),
     )  # fmt: skip
     return out
 

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +30,8 @@ import torch
 from checkpoint import ResumePoint, check_resume, checkpoint_folder, list_step_dirs
 from checkpoint.hf import check_hf_config
 from checkpoint.integrity import CorruptCheckpoint, read_manifest, verify_files
-from checkpoint.resume import DAMAGED_HINT
-from checkpoint.state import CONFIG, read_run_config
-from configs import ConfigError, HelpRequested, config_to_dict, config_to_toml, parse_config
+from checkpoint.resume import DAMAGED_HINT, ModelMismatch
+from configs import ConfigError, HelpRequested, config_to_toml, parse_config
 from data.documents import check_documents
 from data.loader import (
     DataConfig,
@@ -45,11 +44,13 @@ from data.loader import (
 from launch.job import JobConfig
 from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
-from model import ModelConfig, ModelFamily, get_family, get_hf_mapping
+from launch.resume_rules import explain_misfit, resume_changes
+from model import ModelFamily, get_family, get_hf_mapping
+from parallel.ac import ActivationCheckpointConfig
 from parallel.build import build_model
 from parallel.dims import LaunchEnv, resolve_dims
 from parallel.ep import check_ep
-from parallel.float8 import check_float8, unmatched_skips
+from parallel.float8 import Float8Config, check_float8, unmatched_skips
 from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
 
@@ -122,14 +123,17 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
     # or unwritable path) surface here too, before anything could hang on them.
     shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
-    resume = check_resume(
-        job.checkpoint,
-        Path(job.run.output_dir) / job.run.name,
-        shapes,
-        positions_per_micro_step=t.micro_batch_size * dp,
-        is_rank0=env.rank == 0,
-        create_folder=not job.dry_run,
-    )
+    try:
+        resume = check_resume(
+            job.checkpoint,
+            Path(job.run.output_dir) / job.run.name,
+            shapes,
+            positions_per_micro_step=t.micro_batch_size * dp,
+            is_rank0=env.rank == 0,
+            create_folder=not job.dry_run,
+        )
+    except ModelMismatch as misfit:
+        raise explain_misfit(job, misfit) from None
     if job.fp8.enabled and (unmatched := unmatched_skips(meta_model, job.fp8.skip)):
         raise ConfigError(
             f"fp8.skip: {', '.join(unmatched)} matches no Linear layer of this model "
@@ -167,7 +171,27 @@ def unintended_settings(job: JobConfig) -> list[str]:
             f"metrics.profile_step ({job.metrics.profile_step}) > train.steps ({steps}): "
             "nothing will be profiled"
         )
+    # A key that only another mode reads, changed from its default: said, not ignored. Not an
+    # error: switching a feature off for one run (--fp8.enabled=false) keeps its section's keys.
+    if job.ac.every != ActivationCheckpointConfig().every and job.ac.mode != "selective":
+        warnings.append(
+            f"ac.every={job.ac.every} has no effect with ac.mode={job.ac.mode!r}: it picks the "
+            "recomputed blocks of ac.mode='selective' only"
+        )
+    if not job.fp8.enabled and (unused := changed_fields(job.fp8, Float8Config())):
+        settings = ", ".join(f"fp8.{name}={value!r}" for name, value in unused.items())
+        verb = "has" if len(unused) == 1 else "have"
+        warnings.append(f"{settings} {verb} no effect with fp8.enabled=false")
     return warnings
+
+
+def changed_fields(cfg: Any, default: Any) -> dict[str, Any]:
+    """The fields of a config section, but its `enabled` switch, that differ from `default`."""
+    return {
+        f.name: getattr(cfg, f.name)
+        for f in fields(cfg)
+        if f.name != "enabled" and getattr(cfg, f.name) != getattr(default, f.name)
+    }
 
 
 def data_paths(cfg: DataConfig) -> list[str]:
@@ -202,63 +226,6 @@ def check_dataset(job: JobConfig, args: Any, sources: tuple[DataSource, ...]) ->
         # A split too short for one window, or fewer windows than eval_batches asks for, would
         # fail at the first evaluation (after the steps before it) or silently repeat data.
         check_eval_split(source.index, job.data.seq_len, t.global_batch_size, t.eval_batches)
-
-
-# What a resume may change: everything not listed here is applied (and listed in the log).
-# These would change the model's math, what trains (the optimizer holds state for exactly the
-# trainable parameters) or the data stream under a running optimizer, so a resume that changes
-# them is an error (start a new run, or fine-tune with load_model_only). lora.dropout may change.
-RESUME_FIXED = ("data.path", "data.seq_len", "data.num_workers", "data.attention_mask",
-                "data.document_positions", "train.seed", "train.freeze", "lora.enabled",
-                "lora.rank", "lora.alpha", "lora.targets")  # fmt: skip
-# Not settings of the run's math: where it lives and how it was started.
-RESUME_IGNORED = ("run.", "dry_run", "checkpoint.resume", "checkpoint.load_model_only",
-                  "checkpoint.init_from_hf")  # fmt: skip
-
-
-def resume_changes(job: JobConfig, path: Path) -> list[str]:
-    """Compare this run's config with the checkpoint's: ConfigError for a change a resume
-    cannot make, else the list of changes ("optim.lr: 0.0003 -> 0.001") it will apply."""
-    try:
-        saved, _ = read_run_config(path, {CONFIG})
-    except Exception as err:  # damaged: Checkpointer.load verifies it and falls back
-        logger.warning("cannot read the config of %s (%s): changes not compared", path, err)
-        return []
-    old, new = flatten(saved), flatten(config_to_dict(job))
-    changed = sorted(
-        k for k in old.keys() | new.keys()
-        if old.get(k) != new.get(k) and not k.startswith(RESUME_IGNORED)
-    )  # fmt: skip
-    # The model is compared as resolved (a flavor name and its explicit fields are the same
-    # model); only the attention kernel, the same math, may change.
-    old_cfg = ModelConfig(**saved.get("model", {}))
-    old_args = replace(get_family(old_cfg.name).build_args(old_cfg), attention="sdpa")
-    if old_args != replace(get_family(job.model.name).build_args(job.model), attention="sdpa"):
-        fixed = [k for k in changed if k.startswith("model.")]
-    else:
-        fixed = []
-    fixed += [k for k in changed if k in RESUME_FIXED]
-    # So is which sources a mixture reads, and where (a source added or removed shows as its
-    # path appearing or vanishing); their weights may change (annealing, data/stream.py).
-    fixed += [k for k in changed if k.startswith("data.sources.") and k.endswith(".path")]
-    if fixed:
-        what = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed)
-        raise ConfigError(
-            f"resuming {path} with a changed {what}: a resume cannot change the model, what "
-            "trains or the data stream (see the checkpoint's config in its run folder); start a "
-            "new run.name, or use checkpoint.load_model_only=true to start over from its weights"
-        )
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if not k.startswith("model.")]
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out |= flatten(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:

@@ -58,7 +58,11 @@ class StopRequest:
             raise SystemExit(128 + signum)
         if self.signal_name is None:
             self.signal_name = name
-            logger.warning("%s received: stopping after the current step", name)
+            # A rank handling an error is ending already (say, waiting for rank 0 to report it
+            # when torchrun stops the ranks): "stopping after the current step" would be false,
+            # and would follow the reason as the run's last line. The request still counts.
+            if sys.exc_info()[1] is None:
+                logger.warning("%s received: stopping after the current step", name)
 
     @property
     def requested(self) -> bool:

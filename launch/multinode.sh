@@ -32,6 +32,27 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 : "${MASTER_ADDR:?set MASTER_ADDR (address of node 0, reachable from every node)}"
 MASTER_PORT=${MASTER_PORT:-29500}
 RDZV_BACKEND=${RDZV_BACKEND:-c10d}
+
+me=multinode.sh
+# Numbers from the environment, checked before anything uses them: one line, instead of a bash
+# arithmetic error or torchrun's usage text. The same function is in torchrun.sh, multinode.sh
+# and hsdp.sbatch (tests/test_launch.py keeps the copies equal).
+check_number() {  # check_number NAME MIN [MAX]: $NAME, if set, is a whole number in MIN..MAX
+    local value=${!1:-} max=${3:-999999999} range=">= $2"
+    if [[ -z $value || ($value =~ ^(0|[1-9][0-9]{0,8})$ && $value -ge $2 && $value -le $max) ]]; then
+        return 0
+    fi
+    [[ -z ${3:-} ]] || range="in $2..$3"
+    echo "$me: $1 must be a whole number $range, got '$value'" >&2
+    exit 2
+}
+check_number NNODES 1
+check_number NPROC 1
+check_number MASTER_PORT 1 65535
+check_number MAX_RESTARTS 0
+check_number TORCH_ELASTIC_SHUTDOWN_TIMEOUT 0
+if [[ $RDZV_BACKEND == static ]]; then check_number NODE_RANK 0 $(( NNODES - 1 )); fi
+
 TORCHRUN=${TORCHRUN:-torchrun}
 torchrun_path=$(command -v "${TORCHRUN%% *}" || true)
 if [[ -z $torchrun_path ]]; then

@@ -7,17 +7,36 @@
 #   MAX_RESTARTS   times torchrun restarts all ranks after one fails (default 0); each restart
 #                  resumes from the latest checkpoint (checkpoint.resume=auto), so set
 #                  --checkpoint.interval. A config error is never retried (launch/check.py)
-#   TORCHRUN       the torchrun command (default: torchrun from PATH); PYTHON (default: the
-#                  python beside it) checks the config
+#   TORCHRUN       the torchrun command (default: torchrun from PATH): the python beside it,
+#                  PYTHON, checks the config and runs torchrun's agent (launch/agent.py)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get to save after a stop signal (default
 #                  30; torch >= 2.12 reads it, 2.11 always gives 30)
 # Stop: SIGTERM, SIGINT or SIGUSR1 to this script (it becomes torchrun) makes the ranks finish
 # their step, save a checkpoint and exit; torchrun then exits 1 with a SignalException.
+# A rank that stops the run itself (non-finite loss, disk full) ends it with its own line and
+# exit status (1; 2 for a config error), with no torchrun report after it.
 set -euo pipefail
 # No cd: relative paths (the config, data.path, run.output_dir) are the user's, from where the
 # script is started. The trainer is found by its path; -P keeps a folder of that name in the
 # current directory from shadowing the check's modules.
 repo=$(cd "$(dirname "$0")/.." && pwd)
+
+me=torchrun.sh
+# Numbers from the environment, checked before anything uses them: one line, instead of a bash
+# arithmetic error or torchrun's usage text. The same function is in torchrun.sh, multinode.sh
+# and hsdp.sbatch (tests/test_launch.py keeps the copies equal).
+check_number() {  # check_number NAME MIN [MAX]: $NAME, if set, is a whole number in MIN..MAX
+    local value=${!1:-} max=${3:-999999999} range=">= $2"
+    if [[ -z $value || ($value =~ ^(0|[1-9][0-9]{0,8})$ && $value -ge $2 && $value -le $max) ]]; then
+        return 0
+    fi
+    [[ -z ${3:-} ]] || range="in $2..$3"
+    echo "$me: $1 must be a whole number $range, got '$value'" >&2
+    exit 2
+}
+check_number NPROC 1
+check_number MAX_RESTARTS 0
+check_number TORCH_ELASTIC_SHUTDOWN_TIMEOUT 0
 
 TORCHRUN=${TORCHRUN:-torchrun}
 torchrun_path=$(command -v "${TORCHRUN%% *}" || true)
@@ -52,7 +71,8 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 # SIGUSR1. An older torchrun ignores the variable.
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 
-# $TORCHRUN unquoted on purpose: it may be a command with arguments
-# (python -m torch.distributed.run).
-exec $TORCHRUN --standalone --nproc-per-node="$NPROC" --max-restarts="${MAX_RESTARTS:-0}" \
-    "$repo/train.py" "$@"
+# torchrun's agent, run by launch/agent.py in the same python: a run a rank stops itself (a
+# non-finite loss, a full disk) ends with that rank's line and exits with its status, without
+# torchrun's ChildFailedError report after it. -P: nothing of the current directory shadows it.
+exec "$PYTHON" -P "$repo/launch/agent.py" --standalone --nproc-per-node="$NPROC" \
+    --max-restarts="${MAX_RESTARTS:-0}" "$repo/train.py" "$@"

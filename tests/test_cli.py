@@ -57,6 +57,7 @@ def run_cli(args: list[str], nproc: int = 2, timeout: float = 120) -> subprocess
         ("--run.output_dir=", "run.output_dir is empty"),
         ("--checkpoint.folder=", "checkpoint.folder='' names no folder of its own"),
         ("--checkpoint.folder=a/../../b", "checkpoint.folder='a/../../b' leaves its parent"),
+        ("--checkpoint.init_from_hf=", "checkpoint.init_from_hf='' names no folder"),
         (
             "--checkpoint.init_from_hf=/some/hf --checkpoint.resume=/some/run/step-4",
             "checkpoint.init_from_hf and checkpoint.resume='/some/run/step-4' both give",
@@ -80,6 +81,21 @@ def test_config_errors_are_one_line_before_any_collective(
     assert message in errors[0], errors[0]
 
 
+def test_an_empty_path_in_a_config_file_is_one_config_error(
+    tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`init_from_hf = ""` is no Hugging Face folder: one line naming the key, not a run that
+    trains from random weights and writes "" into its config."""
+    config = tmp_path / "run.toml"
+    config.write_text('[checkpoint]\ninit_from_hf = ""\n')
+    os.environ.pop("WORLD_SIZE", None)
+    with caplog.at_level(logging.ERROR, logger="train"):
+        assert train.main([str(config), *base_argv(tiny_dataset, tmp_path)]) == 2
+    [error] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert error.startswith("config error: checkpoint.init_from_hf='' names no folder"), error
+    assert not (tmp_path / "debug").exists()
+
+
 def test_settings_that_are_valid_but_likely_unintended_are_warned_about(
     tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -100,6 +116,36 @@ def test_settings_that_are_valid_but_likely_unintended_are_warned_about(
     with caplog.at_level(logging.WARNING, logger="train"):
         assert train.main([*argv, "--train.steps=20", "--optim.warmup_steps=20"]) == 0
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_settings_that_have_no_effect_in_a_config_file_are_warned_about(
+    tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Keys another mode reads (ac.every outside 'selective', fp8.* with FP8 off), changed from
+    their defaults: one warning each on rank 0, and the run goes on. At their defaults, or with
+    the mode that reads them, nothing is said."""
+    config = tmp_path / "run.toml"
+    config.write_text(
+        '[ac]\nmode = "full"\nevery = 2\n[fp8]\nrecipe = "rowwise"\nskip = ["output", "wo"]\n'
+    )
+    argv = [*base_argv(tiny_dataset, tmp_path), "--train.micro_batch_size=2", "--dry-run"]
+    os.environ.pop("WORLD_SIZE", None)
+
+    def warnings(*extra: str) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="train"):
+            assert train.main([str(config), *argv, "--train.steps=20", *extra]) == 0
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    assert warnings() == [
+        "ac.every=2 has no effect with ac.mode='full': it picks the recomputed blocks of "
+        "ac.mode='selective' only",
+        "fp8.recipe='rowwise', fp8.skip=['output', 'wo'] have no effect with fp8.enabled=false",
+    ]
+    assert warnings("--ac.mode=none", "--fp8.skip=output")[1:] == [
+        "fp8.recipe='rowwise' has no effect with fp8.enabled=false"
+    ]
+    assert warnings("--ac.mode=selective", "--fp8.recipe=tensorwise", "--fp8.skip=output") == []
 
 
 @pytest.mark.slow

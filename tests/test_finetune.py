@@ -279,8 +279,51 @@ def test_resume_may_change_lora_dropout_but_not_what_trains(lora_run: dict[str, 
     with pytest.raises(ConfigError, match="a resume cannot change the model, what trains") as e:
         check_config(parse_config(JobConfig, [*argv, "--lora.alpha=4"]), env)
     assert "lora.alpha: 32.0 -> 4.0" in str(e.value)
-    with pytest.raises(ConfigError, match="unexpected layers.0.feed_forward.w1.lora_a.weight"):
+    with pytest.raises(ConfigError, match=r"with a changed lora.targets: \['\*.attention.\*', "):
         check_config(parse_config(JobConfig, [*argv, "--lora.targets=*.attention.*"]), env)
+
+
+def test_a_resume_that_changes_lora_names_the_keys_and_the_way_that_works(
+    tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same command with LoRA turned on, or lora.rank changed: one line naming the changed
+    [lora] key, and the way that works, followed here: a new run from the checkpoint's export
+    (neither a resume nor load_model_only can add or reshape adapters)."""
+    run = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY, *FP32,
+           "--train.steps=2", "--train.micro_batch_size=8", "--checkpoint.interval=2"]  # fmt: skip
+    os.environ.pop("WORLD_SIZE", None)  # this process is a 1-rank launch
+
+    def refused(*extra: str) -> str:
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="train"):
+            assert train.main([*run, "--train.steps=4", *extra]) == 2
+        [error] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert "model." not in error and "resume=none" not in error, error
+        return error
+
+    assert train.main([*run, "--run.name=base"]) == 0
+    base = tmp_path / "base" / "checkpoints" / "step-2"
+    error = refused("--run.name=base", "--lora.enabled=true")
+    assert error.startswith(f"config error: resuming {base} with a changed lora.enabled: False -> "
+                            "True (parameters: 16 missing): a checkpoint loads only into the "
+                            "model it was saved from, LoRA adapters included")  # fmt: skip
+    assert error.endswith(f"start a new run from its export: python -m checkpoint.export {base} "
+                          "DIR --dtype float32 (any adapters merged in), then "
+                          "--checkpoint.init_from_hf=DIR and a new run.name")  # fmt: skip
+    load = [f"--checkpoint.resume={base}", "--checkpoint.load_model_only=true"]
+    error = refused("--run.name=other", "--lora.enabled=true", *load)
+    assert error.startswith(f"config error: starting from {base} with a changed lora.enabled")
+    assert error.endswith("--checkpoint.init_from_hf=DIR in place of checkpoint.resume")
+
+    # The way it names: export, then a new run from the export, LoRA on.
+    assert main([str(base), str(tmp_path / "export"), "--dtype", "float32"]) == 0
+    lora = ["--run.name=lora", "--lora.enabled=true", "--lora.rank=4"]
+    assert train.main([*run, *lora, f"--checkpoint.init_from_hf={tmp_path / 'export'}"]) == 0
+    error = refused(*lora, "--lora.rank=8")
+    assert error.startswith(
+        f"config error: resuming {tmp_path / 'lora' / 'checkpoints' / 'step-2'} with a changed "
+        "lora.rank: 4 -> 8 (parameters: 16 with another shape):"
+    )
 
 
 def test_resume_compares_the_fine_tuning_settings_every_checkpoint_saves(tmp_path: Path) -> None:

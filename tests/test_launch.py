@@ -318,6 +318,54 @@ def test_launchers_resolve_relative_paths_from_where_they_are_started(
     assert not (ROOT / "runs").exists()
 
 
+# Each number a launcher reads from the environment, given as a user might get it wrong.
+BAD_NUMBERS = [
+    ("torchrun.sh", {"MAX_RESTARTS": "abc"}, "MAX_RESTARTS must be a whole number >= 0, got 'abc'"),
+    ("torchrun.sh", {"NPROC": "0"}, "NPROC must be a whole number >= 1, got '0'"),
+    ("torchrun.sh", {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30s"},
+     "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a whole number >= 0, got '30s'"),
+    ("multinode.sh", {"NNODES": "two"}, "NNODES must be a whole number >= 1, got 'two'"),
+    ("multinode.sh", {"NPROC": "08"}, "NPROC must be a whole number >= 1, got '08'"),
+    ("multinode.sh", {"MASTER_PORT": "70000"}, "MASTER_PORT must be a whole number in 1..65535"),
+    ("multinode.sh", {"MAX_RESTARTS": "-1"}, "MAX_RESTARTS must be a whole number >= 0, got '-1'"),
+    ("multinode.sh", {"RDZV_BACKEND": "static", "NODE_RANK": "2"},
+     "NODE_RANK must be a whole number in 0..1, got '2'"),
+    ("hsdp.sbatch", {"NPROC_PER_NODE": "eight"}, "NPROC_PER_NODE must be a whole number >= 1"),
+    ("hsdp.sbatch", {"MASTER_PORT": "0"}, "MASTER_PORT must be a whole number in 1..65535"),
+    ("hsdp.sbatch", {"MAX_RESTARTS": "3 "}, "MAX_RESTARTS must be a whole number >= 0, got '3 '"),
+    ("hsdp.sbatch", {"TIMEOUT_S": "10m"}, "TIMEOUT_S must be a whole number >= 1, got '10m'"),
+    ("hsdp.sbatch", {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1.5"},
+     "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a whole number >= 0, got '1.5'"),
+    ("hsdp.sbatch", {"PREFLIGHT": "yes"}, "PREFLIGHT must be a whole number in 0..1, got 'yes'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("script", "bad", "message"), BAD_NUMBERS)
+def test_a_launcher_variable_that_is_no_number_is_one_line(
+    script: str, bad: dict[str, str], message: str
+) -> None:
+    """`MAX_RESTARTS=abc ./launch/torchrun.sh ...`: the launcher's own line and exit status 2,
+    before anything starts; not torchrun's usage text or a bash arithmetic error."""
+    env = ENV | {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "SLURM_JOB_ID": "1"} | bad
+    cmd = ["bash", "launch/hsdp.sbatch"] if script == "hsdp.sbatch" else [f"launch/{script}"]
+    result = subprocess.run([*cmd, "configs/debug.toml"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=30)  # fmt: skip
+    assert result.returncode == 2 and not result.stdout, result
+    assert result.stderr.startswith(f"{script}: {message}") and result.stderr.count("\n") == 1
+
+
+def test_the_launchers_check_numbers_with_one_function() -> None:
+    """check_number is copied into each script (hsdp.sbatch runs from a spooled copy and cannot
+    source a file beside it): the copies stay equal."""
+    copies = {
+        script: re.search(r"\n(# Numbers from the environment.*?\n\}\n)", text, re.S)
+        for script in ("torchrun.sh", "multinode.sh", "hsdp.sbatch")
+        if (text := (ROOT / "launch" / script).read_text())
+    }
+    assert all(copies.values()), copies
+    assert len({match[1] for match in copies.values()}) == 1
+
+
 def test_hsdp_sbatch_outside_slurm_is_one_line(tmp_path: Path) -> None:
     """`bash launch/hsdp.sbatch` (no sbatch) has no job, no nodes and no srun: say so."""
     env = {k: v for k, v in ENV.items() if not k.startswith("SLURM_")}
@@ -471,6 +519,85 @@ def test_torchrun_sh_restarts_a_killed_rank_from_the_checkpoint(
     assert step_logged(40, log[resumed.end() :]) and "connectFullMesh" not in log
     print(f"rank killed after step >= {killed_after}, resumed at step {resumed.group(2)} "
           f"{restarted:.1f} s after the kill")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_torchrun_sh_run_a_rank_stops_ends_with_the_ranks_line(
+    tiny_dataset: str, tmp_path: Path, launch
+) -> None:
+    """A non-finite loss stops the run from inside the ranks: the log ends with rank 0's line,
+    not torchrun's ChildFailedError report, and the launcher exits with the rank's status (1)."""
+    args = tiny_args(
+        tiny_dataset, tmp_path, "--train.steps=4", "--optim.lr=1e30", "--optim.warmup_steps=0",
+        "--train.max_grad_norm=0",
+    )  # fmt: skip
+    run = launch.single(tmp_path / "run.log", args)
+    assert run.wait(timeout=120) == [1], run.text()[-4000:]
+    log = run.text()
+    last = log.strip().splitlines()[-1]
+    assert re.search(r"\[rank0\] ERROR step \d+: loss .* grad norm (nan|inf); stopping", last), log
+    for noise in ("Traceback", "ChildFailedError", "torch/distributed/elastic"):
+        assert noise not in log, log[-4000:]
+
+
+def test_a_stop_signal_to_a_rank_already_ending_on_an_error_says_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """torchrun stops the other ranks while they wait for rank 0 to report an error: a rank
+    ending on an error does not announce a stop after its current step (there is none)."""
+    from launch.lifecycle import STOP_SIGNALS, StopRequest
+
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    stop = StopRequest()
+    stop.install()
+    try:
+        with caplog.at_level(logging.WARNING):
+            try:
+                raise RuntimeError("step 2: loss nan")
+            except RuntimeError:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            assert stop.requested and caplog.text == ""
+            os.kill(os.getpid(), signal.SIGTERM)  # a second signal, outside: not said either
+            assert "received" not in caplog.text
+            fresh = StopRequest()
+            fresh.install()
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert "SIGTERM received: stopping after the current step" in caplog.text
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_the_agent_keeps_torchruns_report_only_for_a_rank_killed_by_a_signal() -> None:
+    """launch/agent.py: a rank that exited with a status printed why (its line, or a traceback);
+    one a signal killed printed nothing, and torchrun's report is what names it. The agent's
+    lines about the failure wait until that is known, and come in their order otherwise."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from launch.agent import HoldBack, reported_status
+
+    def failed(*codes: int) -> ChildFailedError:
+        failures = {r: ProcessFailure(r, 100 + r, code, "<N/A>") for r, code in enumerate(codes)}
+        return ChildFailedError("train.py", failures)
+
+    assert reported_status(failed(1, -15)) == 1 and reported_status(failed(2)) == 2
+    assert reported_status(failed(-9, -15)) is None
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger, hold = logging.getLogger("torch.distributed.elastic.test_agent"), HoldBack()
+    logger.propagate, logger.handlers = False, [handler]
+    logger.addFilter(hold)
+    logger.warning("Sending process %s closing signal %s", 101, "SIGTERM")
+    logger.error("failed (exitcode: %s) local_rank: %s", -9, 0)
+    assert seen == [] and len(hold.held) == 2
+    logger.warning("Worker group FAILED. 1/1 attempts left; will restart worker group")
+    assert seen == [
+        "Sending process 101 closing signal SIGTERM",
+        "failed (exitcode: -9) local_rank: 0",
+        "Worker group FAILED. 1/1 attempts left; will restart worker group",
+    ]
 
 
 # ---- Slurm: a real controller and two slurmd "nodes" in network namespaces (tests/slurm) -----

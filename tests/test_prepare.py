@@ -239,6 +239,55 @@ def test_bad_input_is_one_line_naming_the_file_and_loses_nothing(tmp_path: Path)
     assert sorted(p.name for p in tmp_path.iterdir()) == listing
 
 
+def test_binary_files_are_skipped_and_text_that_is_not_utf8_is_named(
+    tmp_path: Path, bpe: str
+) -> None:
+    """A corpus of source files with binary ones among them (random bytes named .py): each
+    skipped, counted in the summary and named in one warning. A Latin-1 file is read by a
+    tokenizer.json with its bad bytes as U+FFFD: one warning names it and the offset, the summary
+    counts them. The byte tokenizer keeps such a file's bytes as they are: nothing to say."""
+    src = tmp_path / "src"
+    src.mkdir()
+    noise = random.Random(3).randbytes(2000)
+    assert b"\0" in noise  # what makes a file binary
+    (src / "a.py").write_text("x = 1\n")
+    (src / "b.py").write_bytes(noise)
+    # Latin-1, and a U+FFFD of its own in UTF-8, which is not counted as replaced.
+    (src / "c.py").write_bytes(b"# caf\xe9 and " + "\ufffd".encode() + b"\ny\n")
+    (src / "d.txt").write_bytes(b"text\0with a NUL")
+    (src / "e.md").write_text("# fine ✓\n")
+    latin1_at = len("# caf")
+    binary = f"2 binary files skipped (a NUL byte, which text never holds): {src}/b.py, {src}/d.txt"
+    args = ("--input", str(src), "--val-fraction", "0", "--workers", "1")
+
+    result = _cli(*args, "--out", str(tmp_path / "hf"), "--tokenizer", bpe)
+    assert result.returncode == 0, result.stderr[-3000:]
+    *warnings, summary = result.stderr.strip().splitlines()
+    assert warnings == [
+        binary,
+        f"1 file not UTF-8: the tokenizer reads 1 character of it as U+FFFD (first: {src}/c.py "
+        f"at byte offset {latin1_at}); convert to UTF-8 to keep the text (iconv -f latin1 -t "
+        "utf-8)",
+    ]
+    assert summary.startswith(f"prepared {tmp_path / 'hf'} in ") and summary.endswith(
+        "uint16, 2 binary files skipped, 1 character replaced by U+FFFD)"
+    ), summary
+    index = json.loads((tmp_path / "hf" / "index.json").read_text())
+    assert index["sources"]["num_documents"] == {"train": 3, "val": 0}
+
+    result = _cli(*args, "--out", str(tmp_path / "bytes"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[:-1] == [binary]
+    texts = _byte_documents(tmp_path / "bytes", "train")
+    assert sorted(texts) == sorted([b"x = 1\n", (src / "c.py").read_bytes(), "# fine ✓\n".encode()])
+
+    only_binary = _one_error_line(_cli("--input", str(src / "b.py"), "--out", str(tmp_path / "x")))
+    assert only_binary == (
+        f"error: data prepare: no text found in {src / 'b.py'} (1 binary file skipped (a NUL "
+        f"byte, which text never holds): {src}/b.py)"
+    )
+
+
 def test_field_chooses_the_jsonl_field_and_the_parquet_column(tmp_path: Path) -> None:
     (tmp_path / "recs.jsonl").write_text(_jsonl([{"body": "one", "text": "x"}]).decode())
     pq.write_table(pa.table({"body": ["two", None], "text": ["y", "z"]}), tmp_path / "t.parquet")

@@ -1,0 +1,87 @@
+"""torchrun as launch/torchrun.sh runs it: torch's own agent (`torch.distributed.run`), in this
+process, with one difference at the end.
+
+    python launch/agent.py --standalone --nproc-per-node=2 train.py ...   # torchrun's options
+
+A rank that stops the run itself (a non-finite loss, a full disk) logs why in one line and
+exits with a status: 1, or 2 for a config error only the ranks can find. torchrun would then
+print two lines about the failed rank and the peers it stops, its ChildFailedError traceback
+and a report, after the rank's line, and exit 1 whatever the cause. Here the run ends with the
+rank's own line (or its traceback, for a crash) and the launcher exits with the rank's status.
+
+A rank killed by a signal (the OOM killer, a segfault, `kill -9`) printed nothing: torchrun's
+report, which names it and the signal, is kept. Restarts (`--max-restarts`) and stop signals
+are torchrun's, unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+# What torchrun's agent logs when a rank has failed: which one, and each peer it then stops.
+FAILURE_LINES = ("failed (exitcode", "Sending process")
+
+
+class HoldBack(logging.Filter):
+    """Holds the agent's lines about a failed rank until the end says whether they add anything.
+    Any other line of the agent (a restart, say) lets them through first, in their order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+        self.passing = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.passing:
+            return True
+        if isinstance(record.msg, str) and record.msg.startswith(FAILURE_LINES):
+            self.held.append(record)
+            return False
+        self.release()
+        return True
+
+    def release(self) -> None:
+        held, self.held, self.passing = self.held, [], True
+        try:
+            for record in held:
+                logging.getLogger(record.name).handle(record)
+        finally:
+            self.passing = False
+
+
+def reported_status(error: ChildFailedError) -> int | None:
+    """The exit status of the first rank to fail, if it exited with one (it ran to its own
+    end and printed why); None if a signal killed it."""
+    _, failure = error.get_first_failure()
+    return failure.exitcode if failure.exitcode > 0 else None
+
+
+def main(argv: list[str]) -> int:
+    hold = HoldBack()
+    # Every logger of the agent gets the filter: a line from any of them releases what is held.
+    agent_loggers = [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith("torch.distributed.elastic")
+    ]
+    for logger in agent_loggers:
+        logger.addFilter(hold)
+    try:
+        torchrun.main(argv)
+    except ChildFailedError as error:
+        if (status := reported_status(error)) is None:
+            hold.release()
+            raise
+        hold.held.clear()  # the rank's own line stays the last
+        return status
+    finally:
+        hold.release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
