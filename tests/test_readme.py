@@ -1,4 +1,4 @@
-"""The README's data walk-through, run as written: shards -> two sources -> mixture with document
+"""docs/data.md's walk-through, run as written: shards -> two sources -> mixture with document
 masking -> annealed resume. Only the number of steps (and evaluation to match) is appended, so
 that it costs seconds; a later `--key=value` overrides an earlier one, as users rely on too."""
 
@@ -13,20 +13,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTION = "**From shards to a mixture, step by step.**"
+WALKTHROUGH = ROOT / "docs" / "data.md"
+SECTION = "## From shards to a mixture, step by step"
 
 
-def readme_commands() -> list[str]:
+def walkthrough_commands() -> list[str]:
     """The shell commands of the walk-through's bash blocks, continuation lines joined."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index(SECTION) : text.index("tests/test_readme.py")]
+    text = WALKTHROUGH.read_text()
+    section = text[text.index(SECTION) :].split("\n## ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
     assert len(blocks) == 2, "the walk-through has a first run and an annealed resume"
     return [line for b in blocks for line in b.replace("\\\n", " ").splitlines() if line.strip()]
 
 
 @pytest.mark.slow
-def test_readme_data_walkthrough_runs_as_written(tmp_path: Path) -> None:
+def test_data_walkthrough_runs_as_written(tmp_path: Path) -> None:
     pytest.importorskip("pyarrow")
     # The user's working copy (the commands run from the repo root), without the outputs,
     # corpus or environment of this checkout.
@@ -36,7 +37,7 @@ def test_readme_data_walkthrough_runs_as_written(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "OMP_NUM_THREADS")}
     env["PYTHONPATH"] = str(repo)  # `python -m data...` imports this copy, as an editable install
     runs = []
-    for command in readme_commands():
+    for command in walkthrough_commands():
         if command.startswith("pip install"):
             continue  # the test environment has the extras; installing is the user's step
         if "torchrun.sh" in command:
