@@ -267,7 +267,8 @@ def test_shipped_configs_resolve_on_their_intended_clusters(
         "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(per_node), "GROUP_WORLD_SIZE": str(nodes),
     }  # fmt: skip
     result = subprocess.run(
-        # The README's form: a dry run needs no data, so the shipped data paths may be absent.
+        # The documented form (docs/configuration.md): a dry run needs no data, so the shipped
+        # data paths may be absent.
         [sys.executable, "train.py", config, "--dry-run"],
         cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip

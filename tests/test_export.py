@@ -577,6 +577,6 @@ def test_help_example_is_the_quick_start_checkpoint(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit) as done:
         main(["--help"])
     assert done.value.code == 0
-    assert last.as_posix() == "outputs/debug/checkpoints/step-200"  # as the README says
+    assert last.as_posix() == "outputs/debug/checkpoints/step-200"  # as docs/checkpoints.md says
     example = f"python -m checkpoint.export {last.as_posix()} {(run_dir / 'hf').as_posix()}"
     assert example in capsys.readouterr().out

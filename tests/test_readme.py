@@ -1,6 +1,11 @@
-"""docs/data.md's walk-through, run as written: shards -> two sources -> mixture with document
-masking -> annealed resume. Only the number of steps (and evaluation to match) is appended, so
-that it costs seconds; a later `--key=value` overrides an earlier one, as users rely on too."""
+"""The README as a front door, and docs/data.md's walk-through run as written.
+
+The README's quick start is two commands that must not drift: CI (.ci/run) runs the second, and
+users copy both. The README stays short and links every docs page, and every relative link in
+the README and docs/ reaches a file (and heading) that exists. The walk-through: shards -> two
+sources -> mixture with document masking -> annealed resume. Only the number of steps (and
+evaluation to match) is appended, so that it costs seconds; a later `--key=value` overrides an
+earlier one, as users rely on too."""
 
 from __future__ import annotations
 
@@ -13,15 +18,65 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+QUICK_START = (
+    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e . && "
+    "python -m data.prepare && NPROC=4 ./launch/torchrun.sh configs/debug.toml",
+    "python3 -m venv .venv && . .venv/bin/activate && "
+    'pip install torch==2.13.0 -e ".[test]" && python -m pytest',
+)
+DOCS = ("configuration", "data", "finetuning", "parallelism", "checkpoints", "launch", "forking")
 WALKTHROUGH = ROOT / "docs" / "data.md"
 SECTION = "## From shards to a mixture, step by step"
+
+
+def bash_blocks(text: str) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+
+
+def test_quick_start_is_the_two_commands_and_ci_runs_the_second() -> None:
+    text = README.read_text()
+    quick_start = text[text.index("## Quick start") :].split("\n## ", 1)[0]
+    first, second = (block.strip() for block in bash_blocks(quick_start)[:2])
+    assert (first, second) == QUICK_START, "the quick start's commands changed"
+    # .ci/run installs quietly into the venv it made, then runs command 2's install and test.
+    ci = (ROOT / ".ci" / "run").read_text()
+    [line] = [line for line in ci.splitlines() if line.startswith("pip install")]
+    assert line.replace("pip install -q ", "pip install ") == second.split(" && ", 2)[2]
+
+
+def test_readme_is_a_front_door() -> None:
+    """At most 250 lines, linking every docs page and BENCHMARKS.md."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250
+    for page in DOCS:
+        assert f"](docs/{page}.md)" in text, page
+    assert "](BENCHMARKS.md)" in text
+
+
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors for the Markdown headings of `text`."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", text, flags=re.S), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_relative_links_reach_files_and_headings() -> None:
+    for page in [README, ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.name}: {target}"
+            if anchor:
+                assert anchor in heading_anchors(linked.read_text()), f"{page.name}: {target}"
 
 
 def walkthrough_commands() -> list[str]:
     """The shell commands of the walk-through's bash blocks, continuation lines joined."""
     text = WALKTHROUGH.read_text()
     section = text[text.index(SECTION) :].split("\n## ", 1)[0]
-    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    blocks = bash_blocks(section)
     assert len(blocks) == 2, "the walk-through has a first run and an annealed resume"
     return [line for b in blocks for line in b.replace("\\\n", " ").splitlines() if line.strip()]
 
