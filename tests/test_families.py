@@ -1,20 +1,239 @@
 """The family contract, tested once for every family in `model.FAMILIES`.
 
+For each family: initial weights identical on any mesh; golden losses.
 A fork that adds one line to FAMILIES (and a golden file) gets these tests; a family's own file
 (tests/test_qwen3.py, ...) keeps only what is specific to it.
+
+The models are tiny: `SHAPE`, the fields every family's args have, over the family's debug
+flavor. Checks of the model alone on several ranks run every family in one spawn per mesh
+(`on_mesh`): starting the ranks costs more than the models.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-from model import FAMILIES
+from model import FAMILIES, ModelConfig
 from tests.distributed import run_distributed
 from tests.test_train import FP32, assert_close, train_losses
+
+# transformers must never reach for the network (read when huggingface_hub is first imported).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+NAMES = list(FAMILIES)
+TP_FAMILIES = [f for f in FAMILIES if getattr(FAMILIES[f], "TP_PLAN", None) is not None]
+
+# GQA (4 query heads share 2 kv heads) in 2 blocks; the rest (head_dim, FFN, experts) is the
+# family's debug flavor.
+SHAPE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
+SEQ = 32
+
+
+def tiny_args(family: str, **fields: Any) -> Any:
+    return FAMILIES[family].build_args(ModelConfig(family, **(SHAPE | fields)))
+
+
+def initialized(family: str, seed: int = 0, rope_len: int = SEQ, **fields: Any) -> torch.nn.Module:
+    model = FAMILIES[family].build_model(tiny_args(family, vocab_size=128, **fields))
+    model.init_weights(seed=seed, rope_len=rope_len)
+    return model
+
+
+def ties(model: torch.nn.Module) -> list[list[str]]:
+    """The names of each parameter that has several (tied embeddings)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return sorted(n for n in names.values() if len(n) > 1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Any:
+    """One intra-op thread, like the ranks of tests/distributed.py: on 2 shared, busy cores,
+    thread-pool barriers can make init_weights 50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def on_mesh() -> Callable[..., list[Any]]:
+    """`on_mesh(fn, world, *args, nodes=1)`: `run_distributed`, once per module for the same
+    arguments, so that every family's test of one mesh reads the same spawn (a failure too)."""
+    done: dict[tuple, Any] = {}
+
+    def run(fn: Callable, world: int, *args: Any, nodes: int = 1) -> list[Any]:
+        key = (fn.__name__, world, args, nodes)
+        if key not in done:
+            try:
+                done[key] = run_distributed(fn, world, *args, nodes=nodes)
+            except AssertionError as err:
+                done[key] = err
+        if isinstance(done[key], AssertionError):
+            raise AssertionError(str(done[key]))
+        return done[key]
+
+    return run
+
+
+# ---- initial weights -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_init_is_a_function_of_the_seed(family: str) -> None:
+    """The same seed gives the same values; another seed other values, except for constant
+    parameters (norm gains); the same parameter of two blocks differs."""
+    a, b, other = initialized(family), initialized(family), initialized(family, seed=1)
+    for (name, x), y, z in zip(
+        a.state_dict().items(), b.state_dict().values(), other.state_dict().values(), strict=True
+    ):
+        assert torch.equal(x, y), name
+        constant = bool((x == x.flatten()[0]).all())
+        assert torch.equal(x, z) == constant, name
+    first, second = (dict(u.named_parameters()) for u in FAMILIES[family].fsdp_units(a)[:2])
+    for name, x in first.items():
+        assert torch.equal(x, second[name]) == bool((x == x.flatten()[0]).all()), name
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_init_on_meta_and_by_regions_equals_the_plain_init(family: str) -> None:
+    """The trainer's path (build on meta, to_empty, init_weights) gives the plain model's
+    weights, the tie of tied embeddings restored; `assign(param, draw)` is called once for each
+    parameter, and draw(region) is that region of its whole value (two halves along dim 0
+    give the whole), so a rank can draw its shard alone."""
+    plain = initialized(family, tie_embeddings=True)
+    with torch.device("meta"):
+        model = FAMILIES[family].build_model(plain.args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0, rope_len=SEQ)
+    assert ties(model) == ties(plain) != []
+    for (name, x), y in zip(plain.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
+
+    calls: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def assign(param: torch.Tensor, draw: Callable) -> None:
+        assert id(param) not in calls
+        whole = draw(tuple(slice(0, n) for n in param.shape))
+        rest, half = tuple(slice(0, n) for n in param.shape[1:]), param.shape[0] // 2
+        halves = torch.cat([draw((slice(0, half), *rest)), draw((slice(half, None), *rest))])
+        calls[id(param)] = whole, halves
+
+    model.init_weights(seed=0, rope_len=SEQ, assign=assign)
+    reference = dict(plain.named_parameters())
+    assert len(calls) == len(reference)
+    for name, param in model.named_parameters():
+        whole, halves = calls[id(param)]
+        assert whole.dtype == torch.float32 and whole.shape == param.shape, name
+        assert torch.equal(whole, reference[name]) and torch.equal(halves, whole), name
+
+
+def init_on_mesh(dp_replicate: int, tp: int, vocab_size: int, whole: bool) -> dict[str, tuple]:
+    """For each family (with a TP_PLAN where tp > 1), on this rank of a (dp_replicate, dp_shard,
+    tp) mesh: the full weights after a sharded init, their placements, and (elements drawn,
+    elements held). `whole`: take the path for placements that are not one block (draw the
+    whole parameter, keep the local part). Tensor parallel first, then FSDP, as train.py."""
+    from parallel import fsdp
+    from parallel.dims import LaunchEnv, ParallelConfig
+    from parallel.fsdp import apply_fsdp, assign_local_shard
+    from parallel.runtime import build_mesh, dp_mesh, init_distributed
+    from parallel.tp import apply_tp
+
+    if whole:
+        fsdp.local_region = lambda param: None
+    launch = LaunchEnv.from_env()
+    device = torch.device("cpu")
+    init_distributed(device, launch, 60)
+    mesh = build_mesh(device, dp_replicate, launch.world_size // dp_replicate // tp, tp)
+    out = {}
+    for name in TP_FAMILIES if tp > 1 else FAMILIES:
+        family = FAMILIES[name]
+        with torch.device("meta"):
+            model = family.build_model(tiny_args(name, vocab_size=vocab_size))
+        if tp > 1:
+            apply_tp(model, family, mesh["tp"])
+        fp32 = ParallelConfig(param_dtype="float32")
+        apply_fsdp(model, family.fsdp_units(model), dp_mesh(mesh), fp32)
+        model.to_empty(device=device)
+        drawn = [0]
+
+        def counting(param: torch.Tensor, draw: Callable, drawn: list[int] = drawn) -> None:
+            def counted(region: tuple[slice, ...]) -> torch.Tensor:
+                values = draw(region)
+                drawn[0] += values.numel()
+                return values
+
+            assign_local_shard(param, counted)
+
+        model.init_weights(seed=7, rope_len=16, assign=counting)
+        held = sum(p.to_local().numel() for p in model.parameters())
+        state = model.state_dict()
+        out[name] = (
+            {k: v.full_tensor() for k, v in state.items()},
+            {k: str(tuple(v.placements)) for k, v in state.items()},
+            (drawn[0], held),
+        )
+    torch.distributed.destroy_process_group()
+    return out
+
+
+# (world, dp_replicate, tp, vocab_size, whole). Vocab 99 over 4 ranks: FSDP2 shards it 25, 25,
+# 25, 24 (torch.chunk), an uneven last shard.
+INIT_MESHES = {
+    "1": (1, 1, 1, 100, False),
+    "fsdp-4": (4, 1, 1, 100, False),
+    "hsdp-2x2": (4, 2, 1, 100, False),
+    "fsdp-4-uneven": (4, 1, 1, 99, False),
+    "fsdp-4-uneven-whole-draw": (4, 1, 1, 99, True),
+    "fsdp-2-tp-2": (4, 1, 2, 100, False),
+    "hsdp-2x2-tp-2": (8, 2, 2, 100, False),
+}
+SLOW_INIT = ("fsdp-4-uneven", "fsdp-4-uneven-whole-draw", "hsdp-2x2-tp-2")
+
+
+@pytest.mark.parametrize(
+    ("family", "mesh"),
+    [
+        pytest.param(f, m, marks=[pytest.mark.slow] if m in SLOW_INIT else [], id=f"{f}-{m}")
+        for m, (_, _, tp, _, _) in INIT_MESHES.items()
+        for f in (TP_FAMILIES if tp > 1 else NAMES)
+    ],
+)
+def test_initial_weights_identical_on_every_mesh(
+    family: str, mesh: str, on_mesh: Callable[..., list[Any]]
+) -> None:
+    """Bit-identical to the single-device init, with each rank drawing only what it holds,
+    also where FSDP shards tensor parallel's shards again (strided placements)."""
+    world, dp_replicate, tp, vocab_size, whole = INIT_MESHES[mesh]
+    model = FAMILIES[family].build_model(tiny_args(family, vocab_size=vocab_size))
+    model.init_weights(seed=7, rope_len=16)
+    reference = model.state_dict()
+    total = sum(p.numel() for p in model.parameters())
+    results = on_mesh(init_on_mesh, world, dp_replicate, tp, vocab_size, whole, nodes=dp_replicate)
+    for rank in results:
+        full, placements, (drawn, held) = rank[family]
+        assert full.keys() == reference.keys()
+        for name, value in reference.items():
+            assert torch.equal(full[name], value), name
+        if tp == 1:
+            expected = "(Shard(dim=0),)" if dp_replicate == 1 else "(Replicate(), Shard(dim=0))"
+            assert set(placements.values()) == {expected}
+        else:  # FSDP over TP's Shard(0): a strided shard on the FSDP dim
+            assert any("_StridedShard" in p for p in placements.values()), placements
+        # O(shard): no rank draws another rank's values (unless asked to draw whole ones).
+        assert drawn == (total if whole else held)
+
+
+# ---- the trainer -------------------------------------------------------------------------------
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 # llama3 is the default family: its file predates the others and its argv names no family.

@@ -1,4 +1,5 @@
 """Llama 3 model on one device: published shapes, causality, GQA, RoPE, init, config checks.
+(Init by seed, on meta and by regions, for every family: tests/test_families.py.)
 
 Expected values come from outside the code under test: Meta's published parameter counts and
 FFN sizes, Meta's `apply_scaling` written out again below, and parameter counts done by hand.
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import math
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -265,19 +265,6 @@ def test_flops_per_token_hand_computed() -> None:
 # init_weights
 
 
-def test_init_is_deterministic_per_seed() -> None:
-    a, b, c = small_model(seed=3), small_model(seed=3), small_model(seed=4)
-    for (name, pa), pb, pc in zip(
-        a.named_parameters(), b.parameters(), c.parameters(), strict=True
-    ):
-        assert torch.equal(pa, pb), name
-        if name.endswith("norm.weight"):
-            assert torch.equal(pa, torch.ones_like(pa)), name
-            assert torch.equal(pc, pa), name
-        else:
-            assert not torch.equal(pc, pa), name
-
-
 def test_init_of_a_parameter_ignores_the_other_parameters() -> None:
     two = small_model(LlamaArgs(**{**vars(SMALL), "n_layers": 2}), seed=7)
     four = dict(small_model(LlamaArgs(**{**vars(SMALL), "n_layers": 4}), seed=7).named_parameters())
@@ -314,42 +301,6 @@ def test_init_std_and_truncation(wide_model: Transformer) -> None:
     for name, p in wide_model.named_parameters():
         if name.endswith("norm.weight"):
             assert torch.equal(p, torch.ones_like(p)), name
-
-
-def test_init_assign_gets_each_parameter_once_with_a_draw_of_any_region() -> None:
-    """`assign(param, draw)`: draw(region) is that region of the parameter's full value, so a
-    shard is drawn on its own (two halves along dim 0 give the whole)."""
-    reference = dict(small_model().named_parameters())
-    model = Transformer(SMALL)
-    calls: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
-
-    def assign(p: torch.Tensor, draw: Callable) -> None:
-        whole = draw(tuple(slice(0, n) for n in p.shape))
-        rest = tuple(slice(0, n) for n in p.shape[1:])
-        half = p.shape[0] // 2
-        halves = [draw((slice(0, half), *rest)), draw((slice(half, p.shape[0]), *rest))]
-        calls.append((p, whole, torch.cat(halves)))
-
-    model.init_weights(seed=0, rope_len=16, assign=assign)
-    params = dict(model.named_parameters())
-    assert sorted(id(p) for p, _, _ in calls) == sorted(id(p) for p in params.values())
-    by_id = {id(p): (whole, halves) for p, whole, halves in calls}
-    for name, p in params.items():
-        whole, halves = by_id[id(p)]
-        assert whole.dtype == torch.float32 and whole.shape == p.shape, name
-        assert torch.equal(whole, reference[name]), name
-        assert torch.equal(halves, whole), name
-
-
-def test_init_is_the_same_built_on_meta_then_materialized() -> None:
-    """The trainer's path (meta -> to_empty -> init) gives the model built directly on CPU."""
-    with torch.device("meta"):
-        model = Transformer(SMALL)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0, rope_len=16)
-    reference = dict(small_model().named_parameters())
-    for name, p in model.named_parameters():
-        assert torch.equal(p, reference[name]), name
 
 
 def test_init_in_bfloat16_is_the_float32_init_rounded() -> None:
@@ -489,13 +440,3 @@ def test_model_package_does_not_import_torch_distributed() -> None:
                     ]
     assert REPO / "model" / "llama.py" in seen
     assert REPO / "configs" / "__init__.py" in seen
-
-
-def test_tie_survives_meta_build_and_to_empty() -> None:
-    args = replace(FLAVORS["debug"], dim=32, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=64,
-                   tie_embeddings=True)  # fmt: skip
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0, rope_len=8)
-    assert model.output.weight is model.tok_embeddings.weight

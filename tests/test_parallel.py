@@ -1,15 +1,15 @@
-"""Mesh arithmetic, sharded initialization and placements on real gloo ranks."""
+"""Mesh arithmetic and FSDP's reshard plan on real gloo ranks (initial weights on every mesh, for
+every family: tests/test_families.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
 import torch
 
 from configs import ConfigError
-from model.llama import FLAVORS, LlamaArgs, Transformer, fsdp_units
+from model.llama import FLAVORS, Transformer, fsdp_units
 from parallel.dims import LaunchEnv, ParallelConfig, resolve_dims
 from tests.distributed import run_distributed
 
@@ -56,105 +56,6 @@ def test_auto_mesh_with_explicit_degrees_is_rejected_not_rewritten() -> None:
         ParallelConfig(mesh="auto", dp_replicate=2)
     with pytest.raises(ConfigError, match="at most one"):
         ParallelConfig(dp_replicate=-1, dp_shard=-1)
-
-
-# vocab 99 over 4 ranks: FSDP2 shards it 25, 25, 25, 24 (torch.chunk), an uneven last shard.
-UNEVEN = replace(ARGS, vocab_size=99)
-
-
-def reference_weights(args: LlamaArgs = ARGS) -> dict[str, torch.Tensor]:
-    """Plain single-device model initialized with the default (whole-parameter) assign."""
-    model = Transformer(args)
-    model.init_weights(seed=7, rope_len=16)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def sharded_weights(
-    dp_replicate: int, args: LlamaArgs = ARGS, whole: bool = False, tp: int = 1
-) -> tuple[dict[str, torch.Tensor], dict[str, str], tuple[int, int]]:
-    """Full weights after a sharded init, their placements, and (elements drawn, elements held)
-    on this rank. `whole`: take the path for placements that are not one block (draw the whole
-    parameter, keep the local part). `tp`: tensor parallel first, then FSDP, as train.py."""
-    from parallel import fsdp
-    from parallel.fsdp import apply_fsdp, assign_local_shard
-
-    if whole:
-        fsdp.local_region = lambda param: None
-    from parallel.runtime import build_mesh, dp_mesh, init_distributed
-
-    launch = LaunchEnv.from_env()
-    device = torch.device("cpu")
-    init_distributed(device, launch, 60)
-    world = launch.world_size
-    mesh = build_mesh(device, dp_replicate, world // dp_replicate // tp, tp)
-    with torch.device("meta"):
-        model = Transformer(args)
-    if tp > 1:
-        from model import get_family
-        from parallel.tp import apply_tp
-
-        apply_tp(model, get_family("llama3"), mesh["tp"])
-    apply_fsdp(model, fsdp_units(model), dp_mesh(mesh), ParallelConfig(param_dtype="float32"))
-    model.to_empty(device=device)
-    drawn = [0]
-
-    def counting(param: torch.Tensor, draw: Callable) -> None:
-        def counted(region: tuple[slice, ...]) -> torch.Tensor:
-            values = draw(region)
-            drawn[0] += values.numel()
-            return values
-
-        assign_local_shard(param, counted)
-
-    model.init_weights(seed=7, rope_len=16, assign=counting)
-    held = sum(p.to_local().numel() for p in model.parameters())
-    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    placements = {k: str(tuple(v.placements)) for k, v in model.state_dict().items()}
-    torch.distributed.destroy_process_group()
-    return full, placements, (drawn[0], held)
-
-
-@pytest.mark.parametrize(
-    ("world", "dp_replicate", "args", "whole", "tp"),
-    [(1, 1, ARGS, False, 1), (4, 1, ARGS, False, 1), (4, 2, ARGS, False, 1),
-     pytest.param(4, 1, UNEVEN, False, 1, marks=pytest.mark.slow),
-     pytest.param(4, 1, UNEVEN, True, 1, marks=pytest.mark.slow),
-     (4, 1, ARGS, False, 2),
-     pytest.param(8, 2, ARGS, False, 2, marks=pytest.mark.slow)],
-    ids=["1", "fsdp-4", "hsdp-2x2", "fsdp-4-uneven", "fsdp-4-uneven-whole-draw",
-         "fsdp-2-tp-2", "hsdp-2x2-tp-2"],
-)  # fmt: skip
-def test_initial_weights_identical_on_every_mesh(
-    world: int, dp_replicate: int, args: LlamaArgs, whole: bool, tp: int
-) -> None:
-    """Bit-identical to the single-device init, with each rank drawing only what it holds,
-    also where FSDP shards tensor parallel's shards again (strided placements)."""
-    reference = reference_weights(args)
-    results = run_distributed(
-        sharded_weights, world, dp_replicate, args, whole, tp, nodes=dp_replicate
-    )
-    total = sum(v.numel() for v in reference.values())
-    for full, placements, (drawn, held) in results:
-        assert full.keys() == reference.keys()
-        for name, value in reference.items():
-            assert torch.equal(full[name], value), name
-        if tp == 1:
-            expected = "(Shard(dim=0),)" if dp_replicate == 1 else "(Replicate(), Shard(dim=0))"
-            assert set(placements.values()) == {expected}
-        else:  # FSDP over TP's Shard(0): a strided shard on the FSDP dim
-            assert any("_StridedShard" in p for p in placements.values()), placements
-        # O(shard): no rank draws another rank's values (unless asked to draw whole ones).
-        assert drawn == (total if whole else held)
-
-
-def test_different_seeds_and_parameters_get_different_values() -> None:
-    model = Transformer(ARGS)
-    model.init_weights(seed=0, rope_len=16)
-    a = model.layers["0"].attention.wq.weight.clone()
-    b = model.layers["1"].attention.wq.weight.clone()
-    model.init_weights(seed=1, rope_len=16)
-    assert not torch.equal(a, b)
-    assert not torch.equal(a, model.layers["0"].attention.wq.weight)
 
 
 def test_reshard_plan_keeps_blocks_gathered_only_where_nothing_is_sharded() -> None:

@@ -160,20 +160,6 @@ def initialized(args: QwenArgs = SMALL, seed: int = 0) -> Qwen3:
     return model
 
 
-def test_init_is_a_function_of_the_seed_and_norms_start_at_one() -> None:
-    a, b, other = initialized(), initialized(), initialized(seed=1)
-    for (name, x), y, z in zip(
-        a.state_dict().items(), b.state_dict().values(), other.state_dict().values(), strict=True
-    ):
-        assert torch.equal(x, y), name
-        if name.endswith("norm.weight"):  # q_norm, k_norm included
-            assert torch.equal(x, torch.ones_like(x)) and torch.equal(z, x), name
-        else:
-            assert not torch.equal(x, z), name
-    wq = a.layers["0"].attention.wq.weight
-    assert abs(wq.std().item() - 0.02) < 0.002  # llama's std policy
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_init_is_llamas_for_the_parameters_both_have(tied: bool) -> None:
     """Same seed, names and shapes: the very values of llama's init_weights (the draws depend
@@ -190,29 +176,6 @@ def test_init_is_llamas_for_the_parameters_both_have(tied: bool) -> None:
             assert torch.equal(value, torch.ones(16)), name
         else:
             assert torch.equal(value, theirs_state[name]), name
-
-
-def test_init_on_meta_then_to_empty_equals_plain_and_draws_shards_alone() -> None:
-    """The trainer's path (meta, to_empty, init_weights) gives the plain model's weights, the
-    tie restored; and an `assign` that draws only some rows gets exactly those rows."""
-    args = dataclasses.replace(SMALL, tie_embeddings=True)
-    plain = initialized(args)
-    model = meta_model(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0, rope_len=SEQ)
-    assert model.output.weight is model.tok_embeddings.weight
-    for (name, x), y in zip(plain.state_dict().items(), model.state_dict().values(), strict=True):
-        assert torch.equal(x, y), name
-
-    halves: dict[int, torch.Tensor] = {}
-
-    def second_half(param: torch.Tensor, draw: Any) -> None:
-        rows = param.shape[0]
-        halves[id(param)] = draw((slice(rows // 2, rows), *(slice(0, n) for n in param.shape[1:])))
-
-    model.init_weights(seed=0, rope_len=SEQ, assign=second_half)
-    for name, param in model.named_parameters():
-        assert torch.equal(halves[id(param)], param[param.shape[0] // 2 :]), name
 
 
 # ---- Hugging Face --------------------------------------------------------------------------
