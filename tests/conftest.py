@@ -30,3 +30,18 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = tmp_path_factory.mktemp("corpus")
     corpus = write_corpus(root / "text")
     return str(prepare([str(corpus)], root / "tokens", val_fraction=0.1))
+
+
+@pytest.fixture(scope="session")
+def short_docs(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A byte-level dataset of 400 documents of 1-6 words (6-40 tokens): most windows of
+    32-40 tokens hold an EOS, so document masking changes most losses."""
+    import json
+
+    from data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("short_docs")
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))) for _ in range(400)]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    return str(prepare([str(root / "docs.jsonl")], root / "tokens", val_fraction=0.3))

@@ -1,14 +1,13 @@
-"""Document masking (data.attention_mask = "document", data/documents.py): a packed window gives
-each of its documents the per-token losses it has alone, on 1 process and sharded meshes, for
-both families; the same comparison fails with causal attention. Plus the rules (document ids,
-the first token of a document is no target, positions), compile and AC, evaluation, the
-trainer end to end, and the config errors."""
+"""Document masking (data.attention_mask = "document", data/documents.py): the rules (document
+ids, the first token of a document is no target, positions), compile and AC, the trainer end to
+end, and the config errors; and the helpers of tests/test_families.py, which checks for every
+family that a packed window gives each of its documents the per-token losses it has alone, on 1
+process and sharded meshes, and that the same comparison fails with causal attention."""
 
 from __future__ import annotations
 
 import json
 import logging
-import random
 import shutil
 from pathlib import Path
 
@@ -26,30 +25,14 @@ from model import ModelConfig, get_family
 from parallel.ac import ActivationCheckpointConfig, apply_ac
 from parallel.compile import CompileConfig, apply_compile
 from parallel.dims import LaunchEnv
-from tests.conftest import WORDS
-from tests.distributed import run_distributed
 from tests.test_train import FP32, TINY, assert_close, run
 
 # The byte tokenizer's EOS (data/tokenizer.py), so the same tiny model reads the prepared
-# dataset below; a vocabulary of 260 splits over tp 2.
+# short_docs dataset (tests/conftest.py); a vocabulary of 260 splits over tp 2.
 EOS, VOCAB, SEQ = 257, 260, 40
 CPU = torch.device("cpu")
-FAMILIES = ("llama3", "qwen3", "qwen3_moe")  # a new family adds itself here (docs/forking.md)
 DOCUMENT = DataConfig(attention_mask="document")
 POSITIONS = DataConfig(attention_mask="document", document_positions=True)
-
-
-@pytest.fixture(scope="module")
-def short_docs(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A byte-level dataset of 400 documents of 1-6 words (6-40 tokens): most windows of
-    32-40 tokens hold an EOS, so document masking changes most losses."""
-    from data.prepare import prepare
-
-    root = tmp_path_factory.mktemp("short_docs")
-    rng = random.Random(0)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))) for _ in range(400)]
-    (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
-    return str(prepare([str(root / "docs.jsonl")], root / "tokens", val_fraction=0.3))
 
 
 def packed_windows() -> torch.Tensor:
@@ -126,27 +109,6 @@ def test_document_ids_first_token_rule_and_positions() -> None:
     assert document_positions(document_ids(window[:, 3:6], EOS)).tolist() == [[0, 1, 2]]
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "chunked"])
-@pytest.mark.parametrize("name", FAMILIES)
-def test_packed_window_equals_each_document_alone(name: str, impl: str) -> None:
-    """fp32, 1 process: the per-token losses of two packed windows equal those of each of
-    their documents alone, within 1e-5, with positions from the window start or restarted per
-    document. The same comparison with causal attention fails, by far more than 1e-5."""
-    model = tiny_model(name, impl)
-    batch = window_batch()
-    with torch.no_grad():
-        alone = documents_alone(model, batch)
-        assert (batch.targets != -100).sum() > 60 and len(batch.document_ids.unique()) >= 4
-        torch.testing.assert_close(token_losses(model, batch), alone, rtol=1e-5, atol=1e-5)
-        restarted = token_losses(model, window_batch(POSITIONS))
-        torch.testing.assert_close(restarted, alone, rtol=1e-5, atol=1e-5)
-        causal = token_losses(model, MicroBatch(batch.inputs, batch.targets))
-    # The first document of each row sees no other either way; the later ones differ.
-    later = (batch.document_ids > 0) & (batch.targets != -100)
-    assert (causal - alone)[later].abs().max() > 1e-3
-    torch.testing.assert_close(causal[~later], alone[~later], rtol=1e-5, atol=1e-5)
-
-
 def test_explicit_positions() -> None:
     """`positions` indexes the RoPE table per token: explicit 0..seq-1 gives bitwise the
     default logits, restarted positions the same to rounding (RoPE scores depend only on
@@ -202,86 +164,6 @@ def test_checkpointed_and_compiled_blocks_take_the_document_mask(
         torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5, msg=what)
         for g, e in zip(grads, eager_grads, strict=True):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6, msg=what)
-
-
-# ---- sharded meshes and evaluation -----------------------------------------------------------
-
-
-def losses_on_mesh(dims: tuple[int, int, int], val_path: str) -> dict[str, object]:
-    """On this rank of a (dp_replicate, dp_shard, tp) mesh, for each family: the per-token
-    losses of the packed windows (document masking, fp32) and `evaluate` of two micro-batches
-    of the val split of `val_path` with document masking, as train.py runs it."""
-    from parallel.dims import ParallelConfig
-    from parallel.fsdp import apply_fsdp, assign_local_shard
-    from parallel.runtime import build_mesh, dp_mesh, dp_rank_and_size, init_distributed
-    from parallel.tp import apply_tp, loss_context
-    from train import build_dataloader, evaluate
-
-    init_distributed(CPU, LaunchEnv.from_env(), 60)
-    mesh = build_mesh(CPU, *dims)
-    dp_rank, dp_size = dp_rank_and_size(mesh)
-    data = DataConfig(path=val_path, seq_len=SEQ, attention_mask="document")
-    out: dict[str, object] = {}
-    for name in FAMILIES:
-        family = get_family(name)
-        with torch.device("meta"):
-            model = build(name)
-        if dims[2] > 1:
-            apply_tp(model, family, mesh["tp"])
-        fp32 = ParallelConfig(param_dtype="float32")
-        apply_fsdp(model, family.fsdp_units(model), dp_mesh(mesh), fp32)
-        model.to_empty(device=CPU)
-        model.init_weights(seed=0, rope_len=SEQ, assign=assign_local_shard)
-        with torch.no_grad():
-            out[name] = token_losses(model, window_batch())
-            # 2 micro-batches of 4 sequences over all data-parallel ranks.
-            val = build_dataloader(data, "val", dp_rank=dp_rank, dp_size=dp_size,
-                                   micro_batch_size=4 // dp_size, seed=0)  # fmt: skip
-            with loss_context(dims[2]):
-                out[f"{name} val"] = evaluate(
-                    model, val, 2, lambda x, y: micro_batch(x, y, data, EOS, CPU)
-                )
-    torch.distributed.destroy_process_group()
-    return out
-
-
-def expected_val_loss(name: str, val_path: str, data: DataConfig) -> float:
-    """What evaluate() should give: the mean loss per target of the first 8 val sequences,
-    computed on one process without the trainer."""
-    from data.loader import build_dataloader
-
-    model = tiny_model(name)
-    data = DataConfig(path=val_path, seq_len=SEQ, attention_mask=data.attention_mask)
-    val = build_dataloader(data, "val", dp_rank=0, dp_size=1, micro_batch_size=8, seed=0)
-    batch = micro_batch(*next(iter(val)), data, EOS, CPU)
-    with torch.no_grad():
-        return token_losses(model, batch).sum().item() / (batch.targets != -100).sum().item()
-
-
-@pytest.mark.parametrize(
-    "dims",
-    [(1, 2, 1), (1, 1, 2), pytest.param((2, 2, 1), marks=pytest.mark.slow)],
-    ids=["fsdp2", "tp2", "hsdp2x2"],
-)
-def test_sharded_meshes_equal_documents_alone_and_evaluate(
-    short_docs: str, dims: tuple[int, int, int]
-) -> None:
-    """FSDP over 2 ranks, tensor parallel 2 (sequence parallel; the mask passes the blocks'
-    PrepareModuleInput untouched) or HSDP 2x2: each family's packed-window losses equal each
-    document alone (fp32, 1e-5), on every rank; and evaluate() gives the one-process
-    document-masked validation loss, which differs from the causal one."""
-    world = dims[0] * dims[1] * dims[2]
-    results = run_distributed(losses_on_mesh, world, dims, short_docs, nodes=dims[0])
-    batch = window_batch()
-    for name in FAMILIES:
-        with torch.no_grad():
-            alone = documents_alone(tiny_model(name), batch)
-        document = expected_val_loss(name, short_docs, DOCUMENT)
-        causal = expected_val_loss(name, short_docs, DataConfig())
-        assert abs(document - causal) > 1e-3
-        for rank in results:
-            torch.testing.assert_close(rank[name], alone, rtol=1e-5, atol=1e-5)
-            assert rank[f"{name} val"] == pytest.approx(document, rel=1e-5)
 
 
 # ---- the trainer -----------------------------------------------------------------------------

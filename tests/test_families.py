@@ -1,6 +1,7 @@
 """The family contract, tested once for every family in `model.FAMILIES`.
 
-For each family: initial weights identical on any mesh; golden losses.
+For each family: initial weights identical on any mesh; document masking on 1 process and on
+sharded meshes; golden losses.
 A fork that adds one line to FAMILIES (and a golden file) gets these tests; a family's own file
 (tests/test_qwen3.py, ...) keeps only what is specific to it.
 
@@ -12,6 +13,7 @@ flavor. Checks of the model alone on several ranks run every family in one spawn
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +22,10 @@ from typing import Any
 import pytest
 import torch
 
+from data.documents import MicroBatch, micro_batch
+from data.loader import DataConfig, build_dataloader
 from model import FAMILIES, ModelConfig
+from tests import test_documents as docs
 from tests.distributed import run_distributed
 from tests.test_train import FP32, assert_close, train_losses
 
@@ -231,6 +236,111 @@ def test_initial_weights_identical_on_every_mesh(
             assert any("_StridedShard" in p for p in placements.values()), placements
         # O(shard): no rank draws another rank's values (unless asked to draw whole ones).
         assert drawn == (total if whole else held)
+
+
+# ---- document masking --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "chunked"])
+@pytest.mark.parametrize("family", NAMES)
+def test_packed_window_equals_each_document_alone(family: str, impl: str) -> None:
+    """fp32, 1 process: the per-token losses of two packed windows equal those of each of
+    their documents alone, within 1e-5, with positions from the window start or restarted per
+    document. The same comparison with causal attention fails, by far more than 1e-5."""
+    model = docs.tiny_model(family, impl)
+    batch = docs.window_batch()
+    with torch.no_grad():
+        alone = docs.documents_alone(model, batch)
+        assert (batch.targets != -100).sum() > 60 and len(batch.document_ids.unique()) >= 4
+        torch.testing.assert_close(docs.token_losses(model, batch), alone, rtol=1e-5, atol=1e-5)
+        restarted = docs.token_losses(model, docs.window_batch(docs.POSITIONS))
+        torch.testing.assert_close(restarted, alone, rtol=1e-5, atol=1e-5)
+        causal = docs.token_losses(model, MicroBatch(batch.inputs, batch.targets))
+    # The first document of each row sees no other either way; the later ones differ.
+    later = (batch.document_ids > 0) & (batch.targets != -100)
+    assert (causal - alone)[later].abs().max() > 1e-3
+    torch.testing.assert_close(causal[~later], alone[~later], rtol=1e-5, atol=1e-5)
+
+
+def documents_on_mesh(dims: tuple[int, int, int], val_path: str) -> dict[str, object]:
+    """On this rank of a (dp_replicate, dp_shard, tp) mesh, for each family (with a TP_PLAN
+    where tp > 1): the per-token losses of the packed windows (document masking, fp32) and
+    `evaluate` of two micro-batches of the val split of `val_path` with document masking, as
+    train.py runs it."""
+    from parallel.dims import LaunchEnv, ParallelConfig
+    from parallel.fsdp import apply_fsdp, assign_local_shard
+    from parallel.runtime import build_mesh, dp_mesh, dp_rank_and_size, init_distributed
+    from parallel.tp import apply_tp, loss_context
+    from train import evaluate
+
+    init_distributed(docs.CPU, LaunchEnv.from_env(), 60)
+    mesh = build_mesh(docs.CPU, *dims)
+    dp_rank, dp_size = dp_rank_and_size(mesh)
+    data = DataConfig(path=val_path, seq_len=docs.SEQ, attention_mask="document")
+    out: dict[str, object] = {}
+    for name in TP_FAMILIES if dims[2] > 1 else FAMILIES:
+        family = FAMILIES[name]
+        with torch.device("meta"):
+            model = docs.build(name)
+        if dims[2] > 1:
+            apply_tp(model, family, mesh["tp"])
+        fp32 = ParallelConfig(param_dtype="float32")
+        apply_fsdp(model, family.fsdp_units(model), dp_mesh(mesh), fp32)
+        model.to_empty(device=docs.CPU)
+        model.init_weights(seed=0, rope_len=docs.SEQ, assign=assign_local_shard)
+        with torch.no_grad():
+            out[name] = docs.token_losses(model, docs.window_batch())
+            # 2 micro-batches of 4 sequences over all data-parallel ranks.
+            val = build_dataloader(data, "val", dp_rank=dp_rank, dp_size=dp_size,
+                                   micro_batch_size=4 // dp_size, seed=0)  # fmt: skip
+            with loss_context(dims[2]):
+                out[f"{name} val"] = evaluate(
+                    model, val, 2, lambda x, y: micro_batch(x, y, data, docs.EOS, docs.CPU)
+                )
+    torch.distributed.destroy_process_group()
+    return out
+
+
+def expected_val_loss(name: str, val_path: str, attention_mask: str) -> float:
+    """What evaluate() should give: the mean loss per target of the first 8 val sequences,
+    computed on one process without the trainer."""
+    model = docs.tiny_model(name)
+    data = DataConfig(path=val_path, seq_len=docs.SEQ, attention_mask=attention_mask)
+    val = build_dataloader(data, "val", dp_rank=0, dp_size=1, micro_batch_size=8, seed=0)
+    batch = micro_batch(*next(iter(val)), data, docs.EOS, docs.CPU)
+    with torch.no_grad():
+        return docs.token_losses(model, batch).sum().item() / (batch.targets != -100).sum().item()
+
+
+DOCUMENT_MESHES = {"fsdp2": (1, 2, 1), "tp2": (1, 1, 2), "hsdp2x2": (2, 2, 1)}
+
+
+@pytest.mark.parametrize(
+    ("family", "mesh"),
+    [
+        pytest.param(f, m, marks=[pytest.mark.slow] if m == "hsdp2x2" else [], id=f"{f}-{m}")
+        for m, dims in DOCUMENT_MESHES.items()
+        for f in (TP_FAMILIES if dims[2] > 1 else NAMES)
+    ],
+)
+def test_sharded_meshes_equal_documents_alone_and_evaluate(
+    family: str, mesh: str, short_docs: str, on_mesh: Callable[..., list[Any]]
+) -> None:
+    """FSDP over 2 ranks, tensor parallel 2 (sequence parallel; the mask passes the blocks'
+    PrepareModuleInput untouched) or HSDP 2x2: the packed-window losses equal each document
+    alone (fp32, 1e-5), on every rank; and evaluate() gives the one-process document-masked
+    validation loss, which differs from the causal one."""
+    dims = DOCUMENT_MESHES[mesh]
+    results = on_mesh(documents_on_mesh, math.prod(dims), dims, short_docs, nodes=dims[0])
+    batch = docs.window_batch()
+    with torch.no_grad():
+        alone = docs.documents_alone(docs.tiny_model(family), batch)
+    document = expected_val_loss(family, short_docs, "document")
+    causal = expected_val_loss(family, short_docs, "causal")
+    assert abs(document - causal) > 1e-3
+    for rank in results:
+        torch.testing.assert_close(rank[family], alone, rtol=1e-5, atol=1e-5)
+        assert rank[f"{family} val"] == pytest.approx(document, rel=1e-5)
 
 
 # ---- the trainer -------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Qwen3-MoE (model/qwen3_moe.py, model/moe.py, model/qwen3_moe_hf.py) on one device: published
 sizes, the grouped GEMM against a per-expert loop, routing, the auxiliary losses and their
 normalization, config errors, and logits equal to `transformers` through HF files both ways.
-The trainer with this family (parity, expert parallel, checkpoints): tests/test_moe_trainer.py.
+The trainer with this family (parity, expert parallel, checkpoints): tests/test_moe_trainer.py;
+document masking, for every family: tests/test_families.py.
 """
 
 from __future__ import annotations
@@ -191,24 +192,6 @@ def test_model_keeps_the_last_forwards_aux_loss_and_expert_load() -> None:
     assert aux.requires_grad and aux > 0
     model(x[:1])  # the next forward replaces both
     assert family.expert_load(model).sum() == SEQ * SMALL.top_k * SMALL.n_layers
-
-
-@pytest.mark.parametrize("attention", ["sdpa", "chunked"])
-def test_document_masking_each_document_as_if_alone(attention: str) -> None:
-    """The model contract's forward(tokens, document_ids, positions): two documents packed in
-    one window, each with positions from 0, give each document's logits alone (routing is per
-    token, so the experts see the same rows)."""
-    model = initialized(dataclasses.replace(SMALL, attention=attention))
-    unit_scale(model, seed=5)
-    x = tokens(SMALL)[:1]
-    first = 6
-    ids = torch.tensor([[0] * first + [1] * (SEQ - first)])
-    positions = torch.cat([torch.arange(first), torch.arange(SEQ - first)])[None]
-    with torch.no_grad():
-        packed = model(x, document_ids=ids, positions=positions)
-        torch.testing.assert_close(packed[:, :first], model(x[:, :first]), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(packed[:, first:], model(x[:, first:]), atol=1e-5, rtol=1e-5)
-        assert (model(x)[:, first:] - packed[:, first:]).abs().max() > 1e-3  # the mask matters
 
 
 # ---- build_args ----------------------------------------------------------------------------
