@@ -169,11 +169,14 @@ def test_export_cli_writes_hf_layout_in_bfloat16(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("rope_scaling", [False, True])
 @pytest.mark.parametrize("tied", [False, True])
-def test_logits_equal_transformers(tmp_path: Path, rope_scaling: bool, tied: bool) -> None:
+def test_exported_logits_equal_transformers_with_rope_scaling(tmp_path: Path, tied: bool) -> None:
+    """The export CLI's files of a checkpoint with Llama 3.1 RoPE scaling (the 1B flavor's) give
+    transformers' logits (fp32); the checkpoint's model, as loaded, runs as is; what
+    transformers writes back loads bitwise. The test can fail: without the q/k permutation the
+    logits are far apart. (Without scaling, both ways, for every family: test_families.py.)"""
     transformers = pytest.importorskip("transformers")
-    cfg = small_config(rope_scaling=rope_scaling, tie_embeddings=tied)
+    cfg = small_config(rope_scaling=True, tie_embeddings=tied)
     args = build_args(cfg)
     model = random_model(args)
     checkpoint = write_checkpoint(model, cfg, tmp_path / "run")
@@ -187,13 +190,6 @@ def test_logits_equal_transformers(tmp_path: Path, rope_scaling: bool, tied: boo
         torch.testing.assert_close(logits, ours, atol=1e-5, rtol=1e-5)
         # The checkpoint's model, as loaded, runs as is: the trained model's logits, exactly.
         assert torch.equal(load_checkpoint_model(checkpoint)(tokens), ours)
-        if not tied and not rope_scaling:
-            # The test can fail: without the q/k permutation the logits are far apart.
-            for i, layer in enumerate(theirs.model.layers):
-                layer.self_attn.q_proj.weight.copy_(model.layers[str(i)].attention.wq.weight)
-                layer.self_attn.k_proj.weight.copy_(model.layers[str(i)].attention.wk.weight)
-            assert (theirs(tokens).logits - ours).abs().max() > 0.1
-            return
     # And back: what transformers itself writes (its own config keys) loads into our model.
     theirs.save_pretrained(tmp_path / "saved")
     check_hf_config(llama_hf, args, tmp_path / "saved")
@@ -201,6 +197,11 @@ def test_logits_equal_transformers(tmp_path: Path, rope_scaling: bool, tied: boo
     load_hf_weights(loaded, llama_hf, tmp_path / "saved")
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+    with torch.no_grad():
+        for i, layer in enumerate(theirs.model.layers):
+            layer.self_attn.q_proj.weight.copy_(model.layers[str(i)].attention.wq.weight)
+            layer.self_attn.k_proj.weight.copy_(model.layers[str(i)].attention.wk.weight)
+        assert (theirs(tokens).logits - ours).abs().max() > 0.1
 
 
 def test_export_refuses_missing_and_incomplete_checkpoints(

@@ -1,7 +1,8 @@
 """The family contract, tested once for every family in `model.FAMILIES`.
 
 For each family: initial weights identical on any mesh; document masking on 1 process and on
-sharded meshes; golden losses.
+sharded meshes; logits equal to `transformers` both ways (a family with a Hugging Face mapping);
+golden losses.
 A fork that adds one line to FAMILIES (and a golden file) gets these tests; a family's own file
 (tests/test_qwen3.py, ...) keeps only what is specific to it.
 
@@ -24,7 +25,7 @@ import torch
 
 from data.documents import MicroBatch, micro_batch
 from data.loader import DataConfig, build_dataloader
-from model import FAMILIES, ModelConfig
+from model import FAMILIES, ModelConfig, get_hf_mapping
 from tests import test_documents as docs
 from tests.distributed import run_distributed
 from tests.test_train import FP32, assert_close, train_losses
@@ -35,11 +36,13 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 NAMES = list(FAMILIES)
 TP_FAMILIES = [f for f in FAMILIES if getattr(FAMILIES[f], "TP_PLAN", None) is not None]
+HF_FAMILIES = [f for f in FAMILIES if get_hf_mapping(f) is not None]
 
 # GQA (4 query heads share 2 kv heads) in 2 blocks; the rest (head_dim, FFN, experts) is the
 # family's debug flavor.
 SHAPE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
 SEQ = 32
+HF_SEQ = 128
 
 
 def tiny_args(family: str, **fields: Any) -> Any:
@@ -58,6 +61,20 @@ def ties(model: torch.nn.Module) -> list[list[str]]:
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     return sorted(n for n in names.values() if len(n) > 1)
+
+
+def unit_scale(model: torch.nn.Module, seed: int) -> None:
+    """Weights of unit-scale activations, 1-D ones (norm gains) around 1: at init's std 0.02
+    attention is nearly uniform, so a wrong RoPE layout, norm or expert would hardly move the
+    logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if param.ndim == 1:
+                param.copy_(1 + 0.2 * noise)
+            else:
+                param.copy_(noise * param.shape[-1] ** -0.5)
 
 
 @pytest.fixture(autouse=True)
@@ -341,6 +358,51 @@ def test_sharded_meshes_equal_documents_alone_and_evaluate(
     for rank in results:
         torch.testing.assert_close(rank[family], alone, rtol=1e-5, atol=1e-5)
         assert rank[f"{family} val"] == pytest.approx(document, rel=1e-5)
+
+
+# ---- Hugging Face ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_logits_equal_transformers_both_ways(family: str, tied: bool, tmp_path: Path) -> None:
+    """Ours -> save_hf_weights -> transformers' `from_pretrained`: the same logits (fp32, max
+    difference 1e-5), and our files read back bitwise. Theirs (random weights) ->
+    `save_pretrained` (its own config keys and tensor layout) -> load_hf_weights: the same
+    logits, and its config.json reads back as our shape."""
+    transformers = pytest.importorskip("transformers")
+    from checkpoint.hf import check_hf_config, load_hf_weights, save_hf_weights
+
+    mapping = get_hf_mapping(family)
+    ours = initialized(family, rope_len=HF_SEQ, tie_embeddings=tied)
+    unit_scale(ours, seed=3)
+    args = ours.args
+    x = torch.randint(0, 128, (2, HF_SEQ), generator=torch.Generator().manual_seed(1))
+    save_hf_weights(ours, mapping, tmp_path / "ours", dtype=torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ours", dtype=torch.float32, local_files_only=True
+    ).eval()
+    with torch.no_grad():
+        assert (ours(x) - theirs(x).logits).abs().max() <= 1e-5
+    with torch.device("meta"):
+        loaded = FAMILIES[family].build_model(args)
+    loaded.to_empty(device="cpu")
+    loaded.init_buffers(HF_SEQ)  # to_empty unties a plain model; FSDP2's keeps the tie
+    load_hf_weights(loaded, mapping, tmp_path / "ours", rope_len=HF_SEQ)
+    for (name, a), b in zip(ours.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+    unit_scale(theirs, seed=4)
+    theirs.save_pretrained(tmp_path / "theirs")
+    check_hf_config(mapping, args, tmp_path / "theirs")
+    saved = json.loads((tmp_path / "theirs" / "config.json").read_text())
+    read = mapping.args_from_config_json(saved, "config.json")
+    assert mapping.config_json(read, torch.float32, None, None) == mapping.config_json(
+        args, torch.float32, None, None
+    )
+    load_hf_weights(loaded, mapping, tmp_path / "theirs", rope_len=HF_SEQ)
+    with torch.no_grad():
+        assert (loaded(x) - theirs(x).logits).abs().max() <= 1e-5
 
 
 # ---- the trainer -------------------------------------------------------------------------------
