@@ -2,13 +2,14 @@
 
 For each family: initial weights identical on any mesh; document masking on 1 process and on
 sharded meshes; logits equal to `transformers` both ways (a family with a Hugging Face mapping);
-golden losses.
+golden losses; fp32 parity of 1 process, FSDP and HSDP, and of tensor parallel (a family with a
+TP_PLAN) and expert parallel (an MoE family).
 A fork that adds one line to FAMILIES (and a golden file) gets these tests; a family's own file
 (tests/test_qwen3.py, ...) keeps only what is specific to it.
 
 The models are tiny: `SHAPE`, the fields every family's args have, over the family's debug
 flavor. Checks of the model alone on several ranks run every family in one spawn per mesh
-(`on_mesh`): starting the ranks costs more than the models.
+(`on_mesh`): starting the ranks costs more than the models. The trainer runs are per family.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ import torch
 
 from data.documents import MicroBatch, micro_batch
 from data.loader import DataConfig, build_dataloader
-from model import FAMILIES, ModelConfig, get_hf_mapping
+from model import FAMILIES, ModelConfig, get_hf_mapping, moe_family
 from tests import test_documents as docs
 from tests.distributed import run_distributed
-from tests.test_train import FP32, assert_close, train_losses
+from tests.test_train import FP32, TINY, assert_close, train_losses
 
 # transformers must never reach for the network (read when huggingface_hub is first imported).
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -36,6 +37,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 NAMES = list(FAMILIES)
 TP_FAMILIES = [f for f in FAMILIES if getattr(FAMILIES[f], "TP_PLAN", None) is not None]
+MOE_FAMILIES = [f for f in FAMILIES if moe_family(FAMILIES[f]) is not None]
 HF_FAMILIES = [f for f in FAMILIES if get_hf_mapping(f) is not None]
 
 # GQA (4 query heads share 2 kv heads) in 2 blocks; the rest (head_dim, FFN, experts) is the
@@ -440,3 +442,167 @@ def test_golden_losses_of_the_debug_flavor(family: str, tiny_dataset: str, tmp_p
     assert expected["argv"] == argv[2:], "the golden file was made with other settings"
     # Different CPUs sum matmuls in different orders; 20 steps amplify that to ~1e-5.
     assert_close(losses, expected["losses"], rtol=1e-4)
+
+
+# The trainer runs: tests/test_train.py's TINY (its shape is SHAPE with vocab 512), fp32, and
+# what a family sets beyond its debug flavor (optional: a new family runs without a line here).
+RUN_SHAPE = {
+    "qwen3": ["--model.ffn_dim=128"],
+    # 4 experts of hidden 32, top 2, both aux losses on: large enough coefficients that a wrong
+    # normalization shows in the losses and grad norms.
+    "qwen3_moe": ["--model.n_experts=4", "--model.top_k=2", "--model.moe_ffn_dim=32",
+                  "--model.aux_loss_coef=0.1", "--model.router_z_loss_coef=0.01"],
+}  # fmt: skip
+STEPS = 6
+
+
+def run_argv(dataset: str, out: Path, family: str, name: str, *extra: str) -> list[str]:
+    """Run `name` of `family` in `out`: global batch 8 in micro-batches of 2."""
+    return [f"--data.path={dataset}", f"--run.output_dir={out}", f"--run.name={name}", *TINY,
+            f"--model.name={family}", *RUN_SHAPE.get(family, []), *FP32,
+            "--train.micro_batch_size=2", *extra]  # fmt: skip
+
+
+def scalars(run_dir: Path) -> dict[str, list[float]]:
+    """Every TensorBoard scalar of a run, by tag, in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def train_run(
+    dataset: str, out: Path, family: str, name: str, world: int, *extra: str, nodes: int = 1
+) -> dict[str, list[float]]:
+    """STEPS steps on `world` ranks, TensorBoard every step: the losses and rank 0's scalars."""
+    args = run_argv(dataset, out, family, name, f"--train.steps={STEPS}",
+                    "--metrics.tensorboard=true", "--metrics.log_interval=1", *extra)  # fmt: skip
+    if nodes > 1:
+        args.append(f"--parallel.dp_replicate={nodes}")
+    losses = run_distributed(train_losses, world, args, nodes=nodes)[0]
+    return {"losses": losses} | scalars(out / name)
+
+
+def assert_same_run(got: dict, want: dict, steps: slice = slice(None)) -> None:
+    """fp32: losses, grad norms and the family's own losses (an MoE's loss/aux) within 1e-5
+    per step."""
+    assert_close(got["losses"], want["losses"][steps], rtol=1e-5)
+    for tag in ["grad_norm", *(t for t in want if t.startswith("loss/") and t != "loss/train")]:
+        assert_close(got[tag], want[tag][steps], rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def straight(
+    tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], dict[str, Any]]:
+    """`straight(family)`: the family's reference run, one process, 4 micro-batches per step
+    (trained once per module), with its output folder as "out"."""
+    runs: dict[str, dict[str, Any]] = {}
+
+    def run(family: str) -> dict[str, Any]:
+        if family not in runs:
+            out = tmp_path_factory.mktemp(f"{family}_runs")
+            runs[family] = train_run(tiny_dataset, out, family, "straight", 1) | {"out": out}
+        return runs[family]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", NAMES)
+def test_fp32_parity_one_process_fsdp_hsdp(
+    family: str, straight: Callable[[str], dict], tiny_dataset: str
+) -> None:
+    """Same seed and global batch: 1 process (4 micro-batches of 2), FSDP 1x4 (1 micro-batch
+    of 2 per rank) and HSDP 2x2 give the same losses, grad norms and step-term losses. An MoE's
+    aux loss is normalized per sequence (model/__init__.py): a per-rank or per-micro-batch
+    balance would differ here."""
+    want = straight(family)
+    out = want["out"]
+    assert want["losses"][-1] < want["losses"][0] - 0.5, want["losses"]
+    assert_same_run(train_run(tiny_dataset, out, family, "fsdp", 4), want)
+    assert_same_run(train_run(tiny_dataset, out, family, "hsdp", 4, nodes=2), want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TP_FAMILIES)
+def test_fp32_parity_tensor_parallel(
+    family: str, straight: Callable[[str], dict], tiny_dataset: str
+) -> None:
+    """tp 2 (sequence parallel; per-head norms on the local heads, tied embeddings, an MoE
+    layer whole on both tp ranks) gives the 1-process run. Composed with FSDP and HSDP:
+    tests/test_tp.py."""
+    want = straight(family)
+    assert_same_run(train_run(tiny_dataset, want["out"], family, "tp", 2, "--parallel.tp=2"), want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_expert_parallel_parity_and_its_checkpoint_resumes_without_ep(
+    family: str, straight: Callable[[str], dict], tiny_dataset: str
+) -> None:
+    """EP 2 x FSDP 2 accumulating 2 micro-batches of 1 per rank, and HSDP 2x2 with EP 2 (1
+    micro-batch per rank, full AC), give the 1-process run; EP 2's checkpoint of step 3
+    continues at EP 1 (FSDP 1x2) and on 1 process with the straight run's losses. TensorBoard
+    holds the aux loss and every layer's expert load each step at log_interval 1; at 4, on
+    steps 4 and 6 (the last), with the aux loss of that step and the load summed since the
+    previous point."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from configs import parse_config
+    from launch.job import JobConfig
+
+    want = straight(family)
+    out = want["out"]
+    # Micro-batches of 1: the all-to-alls run in every micro-batch's forward and backward while
+    # the expert gradients accumulate unsharded, reduce-scattered after the last one only.
+    ep = train_run(tiny_dataset, out, family, "ep", 4, "--parallel.ep=2",
+               "--train.micro_batch_size=1", "--checkpoint.interval=3")  # fmt: skip
+    assert_same_run(ep, want)
+    # Full AC recomputes each block's forward in backward, all-to-alls included.
+    hsdp_ep = train_run(tiny_dataset, out, family, "hsdp_ep", 4, "--parallel.ep=2",
+                        "--ac.mode=full", "--metrics.log_interval=4", nodes=2)  # fmt: skip
+    assert_close(hsdp_ep["losses"], want["losses"], rtol=1e-5)
+    for tag in ("grad_norm", "loss/aux"):  # steps 4 and 6
+        assert_close(hsdp_ep[tag], [want[tag][3], want[tag][5]], rtol=1e-5)
+    step3 = out / "ep" / "checkpoints" / "step-3"
+    # Its keys and shapes are the model's own: whole experts, as without EP.
+    saved = FileSystemReader(str(step3)).read_metadata().state_dict_metadata
+    args = FAMILIES[family].build_args(
+        parse_config(JobConfig, run_argv(tiny_dataset, out, family, "x")).model
+    )
+    with torch.device("meta"):
+        model = FAMILIES[family].build_model(args)
+    for name, param in model.state_dict().items():
+        assert tuple(saved[f"model.{name}"].size) == tuple(param.shape), name
+    for world in (2, 1):
+        resumed = train_run(tiny_dataset, out, family, f"resumed{world}", world,
+                            f"--checkpoint.resume={step3}")  # fmt: skip
+        assert_same_run(resumed, want, slice(3, None))
+    # Expert load: per layer, the busiest expert over the mean (1 = balanced, at most
+    # n_experts / top_k) and its share of the layer's routed tokens (at least 1 / n_experts).
+    n_experts, top_k = args.n_experts, args.top_k
+    layers = range(SHAPE["n_layers"])
+    for layer in layers:
+        ratio = ep[f"expert_load/max_over_mean_layer{layer:02d}"]
+        share = ep[f"expert_load/busiest_share_layer{layer:02d}"]
+        assert len(ratio) == STEPS and all(1 <= r <= n_experts / top_k for r in ratio)
+        assert share == pytest.approx([r / n_experts for r in ratio])
+    per_layer = [ep[f"expert_load/max_over_mean_layer{layer:02d}"] for layer in layers]
+    assert ep["expert_load/max_over_mean"] == pytest.approx(
+        [max(step) for step in zip(*per_layer, strict=True)]
+    )
+    assert all(a > 0 and math.isfinite(a) for a in ep["loss/aux"])
+    # Every 4 steps: the load of steps 1-4, then of 5-6. Each step routes the same number of
+    # tokens, so a window's busiest expert over the mean is at most the mean of its steps'
+    # ratios (the max of a sum is at most the sum of the maxima); the last step's alone can
+    # exceed it.
+    for layer in layers:
+        ratio = hsdp_ep[f"expert_load/max_over_mean_layer{layer:02d}"]
+        share = hsdp_ep[f"expert_load/busiest_share_layer{layer:02d}"]
+        steps = want[f"expert_load/max_over_mean_layer{layer:02d}"]
+        assert len(ratio) == len(share) == 2 and all(s >= 1 / n_experts for s in share), share
+        assert share == pytest.approx([r / n_experts for r in ratio])
+        for got, window in zip(ratio, (steps[:4], steps[4:]), strict=True):
+            assert 1 <= got <= sum(window) / len(window) + 1e-6, (got, window)

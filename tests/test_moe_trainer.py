@@ -1,13 +1,11 @@
-"""The trainer with --model.name=qwen3_moe: fp32 losses, grad norms and aux losses equal on every
-mesh (1 process with gradient accumulation, FSDP, HSDP, tp 2 on attention, expert parallel with FSDP
-accumulating micro-batches and with HSDP), expert-parallel checkpoints resumed without EP,
-train.freeze and LoRA under expert parallel, the aux loss and expert load in TensorBoard (every step
-and every 4), bad input, and Hugging Face in and out (a random transformers MoE trains through
-init_from_hf; its export gives the trainer's val loss in transformers)."""
+"""The trainer with --model.name=qwen3_moe, beyond the family contract of tests/test_families.py
+(parity on every mesh, expert parallel and its checkpoint resumed without it): compiled blocks
+and op-level AC, train.freeze and LoRA under expert parallel, bad input, and Hugging Face in and
+out (a random transformers MoE trains through init_from_hf; its export gives the trainer's val
+loss in transformers)."""
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from pathlib import Path
@@ -21,15 +19,15 @@ from launch.job import JobConfig
 from model import FAMILIES
 from model.qwen3_moe import build_args
 from tests.distributed import run_distributed
-from tests.test_train import FP32, TINY, assert_close, train_losses
+from tests.test_families import RUN_SHAPE, assert_same_run, scalars
+from tests.test_train import FP32, TINY, train_losses
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-# tests/test_train.py's tiny shape with 4 experts of hidden 32, top 2, both aux losses on (large
-# enough coefficients that a wrong normalization shows in the losses and grad norms).
-MOE = ["--model.name=qwen3_moe", "--model.n_experts=4", "--model.top_k=2", "--model.moe_ffn_dim=32",
-       "--model.aux_loss_coef=0.1", "--model.router_z_loss_coef=0.01"]  # fmt: skip
+# tests/test_train.py's tiny shape with 4 experts of hidden 32, top 2, both aux losses on, as in
+# tests/test_families.py.
+MOE = ["--model.name=qwen3_moe", *RUN_SHAPE["qwen3_moe"]]
 STEPS = 6
 
 
@@ -38,15 +36,6 @@ def argv(dataset: str, out: Path, name: str, *extra: str) -> list[str]:
     return [f"--data.path={dataset}", f"--run.output_dir={out}", f"--run.name={name}", *TINY,
             *MOE, *FP32, "--train.micro_batch_size=2", f"--train.steps={STEPS}",
             "--metrics.tensorboard=true", "--metrics.log_interval=1", *extra]  # fmt: skip
-
-
-def scalars(run_dir: Path) -> dict[str, list[float]]:
-    """Every TensorBoard scalar of a run, by tag, in step order."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tensorboard"))
-    events.Reload()
-    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def train(dataset: str, out: Path, name: str, world: int, *extra: str, nodes: int = 1) -> dict:
@@ -58,102 +47,16 @@ def train(dataset: str, out: Path, name: str, world: int, *extra: str, nodes: in
     return {"losses": losses} | scalars(out / name)
 
 
-def assert_same_run(got: dict, want: dict, steps: slice = slice(None)) -> None:
-    """fp32: losses, grad norms and aux losses within 1e-5 per step."""
-    assert_close(got["losses"], want["losses"][steps], rtol=1e-5)
-    for tag in ("grad_norm", "loss/aux"):
-        assert_close(got[tag], want[tag][steps], rtol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def straight(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The reference: one process, 4 micro-batches per step."""
-    out = tmp_path_factory.mktemp("moe_runs")
-    return train(tiny_dataset, out, "straight", 1) | {"out": out}
-
-
 @pytest.mark.slow
-def test_parity_fsdp_hsdp_and_tp_on_attention(straight: dict, tiny_dataset: str) -> None:
-    """FSDP 1x4 (1 micro-batch per rank), HSDP 2x2 and tp 2 (the MoE layer whole on both tp
-    ranks) give the 1-process losses, grad norms and aux losses. The aux loss is normalized per
-    sequence (model/__init__.py): a per-rank or per-micro-batch balance would differ here."""
-    out = straight["out"]
-    assert straight["losses"][-1] < straight["losses"][0] - 0.5, straight["losses"]
-    assert_same_run(train(tiny_dataset, out, "fsdp", 4), straight)
-    assert_same_run(train(tiny_dataset, out, "hsdp", 4, nodes=2), straight)
-    assert_same_run(train(tiny_dataset, out, "tp", 2, "--parallel.tp=2"), straight)
-
-
-@pytest.mark.slow
-def test_expert_parallel_parity_and_its_checkpoint_resumes_without_ep(
-    straight: dict, tiny_dataset: str
-) -> None:
-    """EP 2 x FSDP 2 accumulating 2 micro-batches of 1 per rank, and HSDP 2x2 with EP 2 (1
-    micro-batch per rank, full AC), give the 1-process run; EP 2's checkpoint of step 3
-    continues at EP 1 (FSDP 1x2) and on 1 process with the straight run's losses. TensorBoard
-    holds the aux loss and every layer's expert load each step at log_interval 1; at 4, on
-    steps 4 and 6 (the last), with the aux loss of that step and the load summed since the
-    previous point."""
-    out = straight["out"]
-    # Micro-batches of 1: the all-to-alls run in every micro-batch's forward and backward while
-    # the expert gradients accumulate unsharded, reduce-scattered after the last one only.
-    ep = train(tiny_dataset, out, "ep", 4, "--parallel.ep=2", "--train.micro_batch_size=1",
-               "--checkpoint.interval=3")  # fmt: skip
-    assert_same_run(ep, straight)
-    # Full AC recomputes each block's forward in backward, all-to-alls included.
-    hsdp_ep = train(tiny_dataset, out, "hsdp_ep", 4, "--parallel.ep=2", "--ac.mode=full",
-                    "--metrics.log_interval=4", nodes=2)  # fmt: skip
-    assert_close(hsdp_ep["losses"], straight["losses"], rtol=1e-5)
-    for tag in ("grad_norm", "loss/aux"):  # steps 4 and 6
-        assert_close(hsdp_ep[tag], [straight[tag][3], straight[tag][5]], rtol=1e-5)
-    step3 = out / "ep" / "checkpoints" / "step-3"
-    # Its keys and shapes are the model's own: whole experts, as without EP.
-    from torch.distributed.checkpoint import FileSystemReader
-
-    saved = FileSystemReader(str(step3)).read_metadata().state_dict_metadata
-    with torch.device("meta"):
-        model = FAMILIES["qwen3_moe"].build_model(build_args(parse_config(JobConfig, argv(
-            tiny_dataset, out, "x")).model))  # fmt: skip
-    for name, param in model.state_dict().items():
-        assert tuple(saved[f"model.{name}"].size) == tuple(param.shape), name
-    for world in (2, 1):
-        resumed = train(tiny_dataset, out, f"resumed{world}", world, f"--checkpoint.resume={step3}")
-        assert_same_run(resumed, straight, slice(3, None))
-    # Expert load: per layer, the busiest expert over the mean (1 = balanced, at most
-    # n_experts / top_k = 2) and its share of the layer's routed tokens (at least 1 / 4).
-    for layer in range(2):
-        ratio = ep[f"expert_load/max_over_mean_layer{layer:02d}"]
-        share = ep[f"expert_load/busiest_share_layer{layer:02d}"]
-        assert len(ratio) == STEPS and all(1 <= r <= 2 for r in ratio)
-        assert share == pytest.approx([r / 4 for r in ratio])
-    assert ep["expert_load/max_over_mean"] == pytest.approx(
-        [max(a, b) for a, b in zip(ep["expert_load/max_over_mean_layer00"],
-                                   ep["expert_load/max_over_mean_layer01"], strict=True)]
-    )  # fmt: skip
-    assert all(a > 0 and math.isfinite(a) for a in ep["loss/aux"])
-    # Every 4 steps: the load of steps 1-4, then of 5-6. Each step routes the same number of
-    # tokens, so a window's busiest expert over the mean is at most the mean of its steps'
-    # ratios (the max of a sum is at most the sum of the maxima); the last step's alone can
-    # exceed it.
-    for layer in range(2):
-        ratio = hsdp_ep[f"expert_load/max_over_mean_layer{layer:02d}"]
-        share = hsdp_ep[f"expert_load/busiest_share_layer{layer:02d}"]
-        steps = straight[f"expert_load/max_over_mean_layer{layer:02d}"]
-        assert len(ratio) == len(share) == 2 and all(s >= 1 / 4 for s in share), share
-        assert share == pytest.approx([r / 4 for r in ratio])
-        for got, window in zip(ratio, (steps[:4], steps[4:]), strict=True):
-            assert 1 <= got <= sum(window) / len(window) + 1e-6, (got, window)
-
-
-@pytest.mark.slow
-def test_compile_and_ac_keep_the_losses(straight: dict, tiny_dataset: str) -> None:
-    """Op-level AC (the grouped GEMMs saved) recomputes to the bit; compiled blocks with it
-    (the grouped GEMM a custom op inside them) stay within 1e-5."""
-    out = straight["out"]
-    op_ac = train(tiny_dataset, out, "op_ac", 1, "--ac.mode=op")
+def test_compile_and_ac_keep_the_losses(tiny_dataset: str, tmp_path: Path) -> None:
+    """Op-level AC (the grouped GEMMs saved) recomputes to the bit the run without AC (one
+    process, 4 micro-batches per step); compiled blocks with it (the grouped GEMM a custom op
+    inside them) stay within 1e-5."""
+    straight = train(tiny_dataset, tmp_path, "straight", 1)
+    op_ac = train(tiny_dataset, tmp_path, "op_ac", 1, "--ac.mode=op")
     assert op_ac["losses"] == straight["losses"] and op_ac["grad_norm"] == straight["grad_norm"]
-    assert_same_run(train(tiny_dataset, out, "compiled", 1, "--compile.enabled", "--ac.mode=op"),
-                    straight)  # fmt: skip
+    compiled = train(tiny_dataset, tmp_path, "compiled", 1, "--compile.enabled", "--ac.mode=op")
+    assert_same_run(compiled, straight)
 
 
 # Block 0 and the embedding frozen (block 0 leaves backward, its all-to-alls too); block 1's
