@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,28 @@ def short_docs(tmp_path_factory: pytest.TempPathFactory) -> str:
     lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))) for _ in range(400)]
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
     return str(prepare([str(root / "docs.jsonl")], root / "tokens", val_fraction=0.3))
+
+
+@pytest.fixture(scope="session")
+def saved_runs(
+    tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], tuple[list[float], Path]]:
+    """`saved_runs(family)`: the losses and output folder of the family's run 'sync' (2 ranks
+    FSDP, 8 fp32 steps, checkpoints at steps 4 and 8, both kept), trained once per session.
+    tests/test_families.py resumes it for every family; tests/test_checkpoint.py damages,
+    reshapes and resumes llama3's."""
+    from tests.distributed import run_distributed
+    from tests.test_families import run_argv
+    from tests.test_train import train_losses
+
+    runs: dict[str, tuple[list[float], Path]] = {}
+
+    def saved(family: str) -> tuple[list[float], Path]:
+        if family not in runs:
+            out = tmp_path_factory.mktemp(f"{family}_saved")
+            argv = run_argv(tiny_dataset, out, family, "sync", "--train.steps=8",
+                            "--checkpoint.interval=4", "--checkpoint.keep_last=0")  # fmt: skip
+            runs[family] = run_distributed(train_losses, 2, argv)[0], out
+        return runs[family]
+
+    return saved

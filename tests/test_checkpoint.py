@@ -1,6 +1,7 @@
-"""Checkpoints on real gloo ranks: exact resume, resharding across meshes, crashes mid-save,
-async saves, pruning, model-only loads, bad input rejected before any collective, damaged
-checkpoints (skipped or refused, never loaded) and a full disk."""
+"""Checkpoints on real gloo ranks: saving leaves training as it is, resharding across meshes,
+crashes mid-save, async saves, pruning, model-only loads, bad input rejected before any
+collective, damaged checkpoints (skipped or refused, never loaded) and a full disk. An exact
+resume, and init_from_hf of an export, for every family: tests/test_families.py."""
 
 from __future__ import annotations
 
@@ -56,11 +57,10 @@ def ckpt(out: Path, name: str, step: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sync_run(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[list, Path]:
-    """2 ranks FSDP, 8 fp32 steps, synchronous checkpoints at steps 4 and 8 (run 'sync')."""
-    out = tmp_path_factory.mktemp("runs")
-    losses = run_distributed(train_losses, 2, argv(tiny_dataset, out, "sync", *SAVE_EVERY_4))[0]
-    return losses, out
+def sync_run(saved_runs: Callable[[str], tuple[list, Path]]) -> tuple[list, Path]:
+    """llama3's run 'sync' of tests/conftest.py: 2 ranks FSDP, 8 fp32 steps, synchronous
+    checkpoints at steps 4 and 8, in micro-batches of 2 (this file's `argv`)."""
+    return saved_runs("llama3")
 
 
 def load_everything(path: Path, tmp: Path) -> dict[str, Any]:
@@ -80,18 +80,10 @@ def assert_same_entries(a: Any, b: Any, where: str = "") -> None:
         assert a == b, where
 
 
-def test_resume_is_bitwise_exact(sync_run: tuple[list, Path], tiny_dataset: str) -> None:
-    """8 steps straight = 4 steps, then a resume from step 4 for 4 more: bitwise, data included.
-
-    The LR schedule spans train.steps, so the 'stop' at 4 is the checkpoint of the 8-step run;
-    a plain run without checkpoints shows that saving does not perturb training."""
+def test_saving_does_not_perturb_training(sync_run: tuple[list, Path], tiny_dataset: str) -> None:
+    """A run without checkpoints gives the losses of the run that saved at steps 4 and 8,
+    bitwise (resuming from them, for every family: tests/test_families.py)."""
     losses, out = sync_run
-    resumed = run_distributed(
-        train_losses,
-        2,
-        argv(tiny_dataset, out, "resumed", f"--checkpoint.resume={ckpt(out, 'sync', 4)}"),
-    )[0]
-    assert resumed == losses[4:]
     assert run_distributed(train_losses, 2, argv(tiny_dataset, out, "plain"))[0] == losses
 
 
@@ -381,29 +373,6 @@ def test_restart_of_a_finetune_resumes_its_own_checkpoint(
                                 f"--checkpoint.resume={ckpt(out, 'sync', 4)}"), "--train.steps=6"],
     )[0]  # fmt: skip
     assert first + again == straight
-
-
-@pytest.mark.slow
-def test_init_from_hf_equals_load_model_only(
-    sync_run: tuple[list, Path], tiny_dataset: str
-) -> None:
-    """Starting from the exported Hugging Face weights is starting from the checkpoint's."""
-    from checkpoint.export import export_checkpoint
-
-    _, out = sync_run
-    source = ckpt(out, "sync", 4)
-    hf_dir = out / "hf"
-    export_checkpoint(source, hf_dir, dtype=torch.float32)
-    from_hf = run_distributed(
-        train_losses, 2,
-        argv(tiny_dataset, out, "hf-run", "--train.steps=3", f"--checkpoint.init_from_hf={hf_dir}"),
-    )[0]  # fmt: skip
-    from_dcp = run_distributed(
-        train_losses, 2,
-        argv(tiny_dataset, out, "dcp-run", "--train.steps=3", "--checkpoint.load_model_only",
-             f"--checkpoint.resume={source}"),
-    )[0]  # fmt: skip
-    assert from_hf == from_dcp
 
 
 # ---- damaged checkpoints and full disks -----------------------------------------------------

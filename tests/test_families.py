@@ -3,7 +3,7 @@
 For each family: initial weights identical on any mesh; document masking on 1 process and on
 sharded meshes; logits equal to `transformers` both ways (a family with a Hugging Face mapping);
 golden losses; fp32 parity of 1 process, FSDP and HSDP, and of tensor parallel (a family with a
-TP_PLAN) and expert parallel (an MoE family).
+TP_PLAN) and expert parallel (an MoE family); a bitwise resume, and init_from_hf of its export.
 A fork that adds one line to FAMILIES (and a golden file) gets these tests; a family's own file
 (tests/test_qwen3.py, ...) keeps only what is specific to it.
 
@@ -35,6 +35,7 @@ from tests.test_train import FP32, TINY, assert_close, train_losses
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+DEFAULT = ModelConfig().name  # its trainer tests run in the quick tier, the others' in full
 NAMES = list(FAMILIES)
 TP_FAMILIES = [f for f in FAMILIES if getattr(FAMILIES[f], "TP_PLAN", None) is not None]
 MOE_FAMILIES = [f for f in FAMILIES if moe_family(FAMILIES[f]) is not None]
@@ -45,6 +46,11 @@ HF_FAMILIES = [f for f in FAMILIES if get_hf_mapping(f) is not None]
 SHAPE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
 SEQ = 32
 HF_SEQ = 128
+
+
+def quick_for_default(names: list[str]) -> list[Any]:
+    """The default family in the quick tier; the others in the full suite only."""
+    return [pytest.param(n, marks=[] if n == DEFAULT else pytest.mark.slow) for n in names]
 
 
 def tiny_args(family: str, **fields: Any) -> Any:
@@ -606,3 +612,39 @@ def test_expert_parallel_parity_and_its_checkpoint_resumes_without_ep(
         assert share == pytest.approx([r / n_experts for r in ratio])
         for got, window in zip(ratio, (steps[:4], steps[4:]), strict=True):
             assert 1 <= got <= sum(window) / len(window) + 1e-6, (got, window)
+
+
+@pytest.mark.parametrize("family", quick_for_default(NAMES))
+def test_resume_is_bitwise_exact(
+    family: str, saved_runs: Callable[[str], tuple[list, Path]], tiny_dataset: str
+) -> None:
+    """8 steps straight = a resume from that run's step-4 checkpoint for 4 more, bitwise:
+    weights, optimizer, schedule and data position carry over (FSDP on 2 ranks, fp32). The LR
+    schedule spans train.steps, so the 'stop' at 4 is the checkpoint of the 8-step run."""
+    losses, out = saved_runs(family)
+    step4 = out / "sync" / "checkpoints" / "step-4"
+    argv = run_argv(tiny_dataset, out, family, "family-resumed", "--train.steps=8",
+                    f"--checkpoint.resume={step4}")  # fmt: skip
+    assert run_distributed(train_losses, 2, argv)[0] == losses[4:]
+
+
+@pytest.mark.parametrize("family", quick_for_default(HF_FAMILIES))
+def test_init_from_hf_equals_load_model_only(
+    family: str, saved_runs: Callable[[str], tuple[list, Path]], tiny_dataset: str
+) -> None:
+    """Starting from the Hugging Face export of a checkpoint (each of 2 ranks reads its
+    shards' rows) is starting from the checkpoint's weights: the same losses, bitwise."""
+    from checkpoint.export import export_checkpoint
+
+    _, out = saved_runs(family)
+    step4 = out / "sync" / "checkpoints" / "step-4"
+    hf_dir = out / "family-hf"
+    export_checkpoint(step4, hf_dir, dtype=torch.float32)
+    from_hf = run_argv(tiny_dataset, out, family, "family-from-hf", "--train.steps=3",
+                       f"--checkpoint.init_from_hf={hf_dir}")  # fmt: skip
+    from_dcp = run_argv(tiny_dataset, out, family, "family-from-dcp", "--train.steps=3",
+                        "--checkpoint.load_model_only", f"--checkpoint.resume={step4}")  # fmt: skip
+    assert (
+        run_distributed(train_losses, 2, from_hf)[0]
+        == run_distributed(train_losses, 2, from_dcp)[0]
+    )
