@@ -16,8 +16,8 @@ export files in it.
 
 A LoRA run (`[lora]`) exports its adapters merged into the base weights (W + alpha/rank * B @ A,
 in float32): a plain model of the family's HF class. With --adapters-only it writes the adapters
-alone in PEFT's layout instead (checkpoint/peft.py), to load on top of the base model with
-`peft.PeftModel.from_pretrained`.
+alone in PEFT's layout instead (checkpoint/peft.py; float32 unless --dtype says otherwise), to
+load on top of the base model with `peft.PeftModel.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ from parallel.lora import LoRAConfig, apply_lora, merge_lora
 logger = logging.getLogger("checkpoint.export")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# Adapters are written in float32 unless --dtype says otherwise, whatever the run's
+# checkpoint.export_dtype: they are a few MB, and rounding them to bf16 moves the adapted
+# model's logits by ~1e-4 (measured on the debug model) instead of ~1e-6, so PEFT's model would
+# no longer give the trained model's logits.
+ADAPTER_DTYPE = torch.float32
 
 
 def _load(checkpoint_dir: Path, rope_len: int | None = None) -> tuple[torch.nn.Module, dict]:
@@ -163,7 +168,8 @@ def export_checkpoint(
 ) -> list[Path]:
     """Write `checkpoint_dir`'s model to `out_dir` in its family's HF layout; returns the files.
 
-    `dtype` defaults to the run's `checkpoint.export_dtype` (bfloat16 if it has none).
+    `dtype` defaults to the run's `checkpoint.export_dtype` (bfloat16 if it has none) for the
+    whole model, and to float32 for `adapters_only` (see ADAPTER_DTYPE).
     A non-empty `out_dir` is an error unless `force`: then the weight files of an earlier export
     there are replaced (stale shards removed), and other files are left alone. A LoRA run's
     adapters are merged into the weights, or with `adapters_only` written alone (PEFT's layout).
@@ -177,16 +183,17 @@ def export_checkpoint(
             f"--adapters-only: {checkpoint_dir} is not from a LoRA run (its lora.enabled is "
             "false), it has no adapters; export the whole model without --adapters-only"
         )
-    if dtype is None:
-        dtype = DTYPES[config.get("checkpoint", {}).get("export_dtype", "bfloat16")]
     mapping = get_hf_mapping(ModelConfig(**config.get("model", {})).name)
     if adapters_only:
+        dtype = dtype or ADAPTER_DTYPE
         if out.is_dir():
             for stale in ADAPTER_FILES:
                 (out / stale).unlink(missing_ok=True)
         files = save_peft_adapters(model, mapping, lora, out, dtype)
         logger.info("wrote the LoRA adapters (PEFT layout) to %s", out)
         return files
+    if dtype is None:
+        dtype = DTYPES[config.get("checkpoint", {}).get("export_dtype", "bfloat16")]
     bos_id, eos_id = special_token_ids(config)
     if out.is_dir():  # with force: shards of an earlier, larger export must not linger
         for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
@@ -207,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="where to write the safetensors and config.json")
     parser.add_argument(
         "--dtype", choices=list(DTYPES), default=None,
-        help="weight dtype (default: the run's checkpoint.export_dtype, else bfloat16)",
+        help="weight dtype (default: the run's checkpoint.export_dtype, else bfloat16; "
+        "float32 for --adapters-only)",
     )  # fmt: skip
     parser.add_argument(
         "--force", action="store_true",

@@ -43,7 +43,8 @@ class CheckpointConfig:
     and schedule, data from the start of the stream. Once the run has saved a checkpoint of its
     own, a restart resumes that one instead."""
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Dtype of the weights written by the Hugging Face export tool."""
+    """Dtype of the weights written by the Hugging Face export tool. Not applied to
+    `--adapters-only` exports, which are float32 unless `--dtype` says otherwise."""
     folder: str = "checkpoints"
     """Where step-N directories go: relative to the run directory, or an absolute path."""
     init_from_hf: str | None = None
