@@ -229,6 +229,31 @@ def test_importing_torchao_keeps_the_log_clean(tmp_path: Path) -> None:
     assert "Failed to load" not in result.stderr and "register_constant" not in result.stderr
 
 
+def test_a_run_without_fp8_never_imports_torchao(tiny_dataset: str, tmp_path: Path) -> None:
+    """torchao's import logs CUDA kernel warnings that a bf16 or CPU run has no use for: a
+    2-step training (1 process) and the other commands' modules leave it unimported."""
+    import subprocess
+    import sys
+
+    from tests.test_train import TINY
+
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            "--train.steps=2", "--train.micro_batch_size=8"]  # fmt: skip
+    code = (
+        "import sys, train, checkpoint.export, data.prepare, launch.check, launch.plan;"
+        "status = train.main(sys.argv[1:]);"
+        "print('torchao imported' if 'torchao' in sys.modules else 'no torchao');"
+        "sys.exit(status)"
+    )
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-c", code, *argv], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "no torchao" and "done: step 2/2" in result.stderr
+    assert "Failed to load" not in result.stderr and "KernelPreference" not in result.stderr
+
+
 def _argv(dataset: str, out: Path, *extra: str) -> list[str]:
     from tests.test_train import TINY
 
