@@ -284,7 +284,10 @@ def setup(
     if job.checkpoint.init_from_hf and plan.resume is None:
         mapping = get_hf_mapping(job.model.name)  # checked by check_config
         hf_dir, adapters = job.checkpoint.init_from_hf, adapter_names(model)
-        load_hf_weights(model, mapping, hf_dir, job.data.seq_len, exclude=adapters)
+        loaded = load_hf_weights(model, mapping, hf_dir, job.data.seq_len, exclude=adapters)
+        if env.rank == 0:  # log_orientation leaves this start to here, where the count is known
+            logger.info("starting at step 0 of %d from the Hugging Face weights in %s: %d "
+                        "tensors loaded", t.steps, hf_dir, loaded)  # fmt: skip
     else:  # random init, also when a checkpoint is about to overwrite it (it sets the RoPE table)
         model.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
     # LoRA's adapters by their own rule, on the base weights from either: B = 0, so the model
@@ -559,7 +562,9 @@ def log_orientation(job: JobConfig, plan: Plan, run_dir: Path, ckpt_folder: Path
     mask = d.attention_mask + (", positions per document" if d.document_positions else "")
     logger.info("data: %s; seq_len %d, %s attention", sources, d.seq_len, mask)
     if plan.resume is None:
-        logger.info("starting at step 0 of %d", job.train.steps)
+        if not job.checkpoint.init_from_hf:  # else: logged by setup, with what it loaded
+            logger.info("starting at step 0 of %d from random weights (train.seed=%d)",
+                        job.train.steps, job.train.seed)  # fmt: skip
     elif not plan.resume.model_only:
         logger.info("resuming %s at step %d of %d", plan.resume.path, plan.resume.step,
                     job.train.steps)  # fmt: skip

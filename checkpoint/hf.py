@@ -252,9 +252,10 @@ def load_hf_weights(
     hf_dir: str | Path,
     rope_len: int | None = None,
     exclude: Collection[str] = (),
-) -> None:
+) -> int:
     """Fill every parameter of `model` from a local HF safetensors directory, except those
     whose canonical names are in `exclude` (LoRA's adapters: not part of the base model).
+    Returns how many of the directory's tensors the model holds (each rank reads its slices).
 
     A drop-in for `model.init_weights(seed, rope_len, assign)`: it also calls
     `model.init_buffers(rope_len)` (the RoPE table, ties).
@@ -291,3 +292,4 @@ def load_hf_weights(
                     torch.stack([_read(slices[rows[i]], inner, None) for i in range(lo, hi)])
                 )
     model.init_buffers(rope_len or model.args.max_seq_len)
+    return len(tensors)

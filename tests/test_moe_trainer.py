@@ -162,6 +162,14 @@ def test_random_hf_moe_trains_through_init_from_hf_and_exports_the_val_loss(
                "--checkpoint.interval=6")  # fmt: skip
     losses, log = run_distributed(train_and_log, 1, run)[0]
     assert losses[-1] < losses[0] - 0.5, losses
+    # The start says where its weights came from: every tensor of the file, none random.
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "random" / "model.safetensors", framework="pt") as f:
+        n_tensors = len(list(f.keys()))
+    assert (f"starting at step 0 of {len(losses)} from the Hugging Face weights in "
+            f"{tmp_path / 'random'}: {n_tensors} tensors loaded") in log  # fmt: skip
+    assert "from random weights" not in log
     logged = float(re.findall(r"val_loss (\d+\.\d+)", log)[-1])
 
     export_checkpoint(tmp_path / "hf" / "checkpoints" / "step-6", tmp_path / "out", torch.float32)
