@@ -348,14 +348,37 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Terminated(Exception):
+    """SIGTERM (Slurm, timeout, kill), raised where prepare is, so its temporary directory is
+    removed on the way out."""
+
+
 def _stop(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+    raise _Terminated
+
+
+def _index_identity(out: Path) -> tuple[int, int] | None:
+    """Which index.json `out` holds (inode, mtime), or None: a stop tells from it whether the
+    dataset there is the one from before, a new one, or none."""
+    try:
+        stat = (out / "index.json").stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def _interrupted(how: str, out: Path, before: tuple[int, int] | None) -> str:
+    """The one line a stopped prepare ends with: what `out` holds now."""
+    if _index_identity(out) != before:  # stopped after the final rename, before returning
+        return f"interrupted by {how} after '{out}' was written: that dataset is complete"
+    kept = "; the dataset already there is kept" if before else ""
+    return f"interrupted by {how}: nothing written to '{out}'{kept}"
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    # SIGTERM (Slurm, timeout, kill) as an exception, so the temporary directory is removed.
+    before = _index_identity(Path(args.out))
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
         prepare(
@@ -373,7 +396,10 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
     except KeyboardInterrupt:
-        raise SystemExit(f"interrupted: '{args.out}' is as it was") from None
+        raise SystemExit(_interrupted("Ctrl-C", Path(args.out), before)) from None
+    except _Terminated:
+        logger.error("%s", _interrupted("SIGTERM", Path(args.out), before))
+        raise SystemExit(128 + signal.SIGTERM) from None  # the status a shell gives SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)
 

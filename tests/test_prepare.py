@@ -387,6 +387,10 @@ def test_a_killed_prepare_leaves_no_dataset_and_no_workers(
         _jsonl([{"text": _text(rng, 80)} for _ in range(1500)]) * 32
     )
     out = tmp_path / "ds"
+    if signum == signal.SIGTERM:  # a dataset prepared earlier at --out: the stop keeps it
+        (tmp_path / "old.txt").write_text("an earlier dataset\n")
+        prepare([str(tmp_path / "old.txt")], out, val_fraction=0.0)
+        old_index = (out / "index.json").read_text()
     cmd = [sys.executable, "-m", "data.prepare", "--input", str(tmp_path / "big.jsonl"),
            "--tokenizer", bpe, "--workers", "2", "--out", str(out)]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
@@ -403,8 +407,15 @@ def test_a_killed_prepare_leaves_no_dataset_and_no_workers(
     while not all(_gone(w) for w in workers):
         assert time.monotonic() < deadline + 10, [w for w in workers if not _gone(w)]
         time.sleep(0.05)
-    # No dataset at --out, and the half-written directory is hidden and has no index.json.
-    assert not out.exists() and not (tmp / "index.json").exists()
+    assert not (tmp / "index.json").exists()  # the half-written directory is never complete
+    if signum == signal.SIGTERM:
+        assert proc.returncode == 143 and (out / "index.json").read_text() == old_index
+        kept = f"interrupted by SIGTERM: nothing written to '{out}'; the dataset already there"
+        assert "Traceback" not in stderr and stderr.splitlines()[-1] == f"{kept} is kept", stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl", "ds", "old.txt"]
+        return
+    # No dataset at --out, and the half-written directory is hidden.
+    assert not out.exists()
     with pytest.raises(ConfigError, match="no prepared dataset"):
         open_dataset(out)
     if signum == signal.SIGKILL:
@@ -414,7 +425,6 @@ def test_a_killed_prepare_leaves_no_dataset_and_no_workers(
         assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl", "ds"]
     else:  # caught: the temporary directory is removed on the way out
         assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]
-        assert proc.returncode == (143 if signum == signal.SIGTERM else 1), stderr
+        assert proc.returncode == 1, stderr
         assert "Traceback" not in stderr, stderr
-        if signum == signal.SIGINT:  # Ctrl-C
-            assert stderr.splitlines()[-1] == f"interrupted: '{out}' is as it was", stderr
+        assert stderr.splitlines()[-1] == f"interrupted by Ctrl-C: nothing written to '{out}'"
