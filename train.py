@@ -240,7 +240,8 @@ def _train(
         params = list(run.model.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)
         warn_if_low_space(ckpt_folder, 4 * sum(p.numel() for p in params) + 8 * trainable)
-    resumed = checkpointer.load(states, plan.resume)  # an older one if plan.resume is damaged
+    # An older one if plan.resume is damaged; logs the resume, once verified.
+    resumed = checkpointer.load(states, plan.resume, job.train.steps)
     # The checkpoint brought its own lr, betas, ...: what this run's config says wins (the
     # changes were checked and listed by check_config).
     apply_optimizer_config(
@@ -561,13 +562,11 @@ def log_orientation(job: JobConfig, plan: Plan, run_dir: Path, ckpt_folder: Path
     sources = ", ".join(f"{n} {s.weight:g} ({s.path})" for n, s in d.sources.items()) or d.path
     mask = d.attention_mask + (", positions per document" if d.document_positions else "")
     logger.info("data: %s; seq_len %d, %s attention", sources, d.seq_len, mask)
-    if plan.resume is None:
-        if not job.checkpoint.init_from_hf:  # else: logged by setup, with what it loaded
-            logger.info("starting at step 0 of %d from random weights (train.seed=%d)",
-                        job.train.steps, job.train.seed)  # fmt: skip
-    elif not plan.resume.model_only:
-        logger.info("resuming %s at step %d of %d", plan.resume.path, plan.resume.step,
-                    job.train.steps)  # fmt: skip
+    # The start from a checkpoint is logged by Checkpointer.load once its checksums match (a
+    # damaged newest one falls back to an older one), from Hugging Face weights by setup.
+    if plan.resume is None and not job.checkpoint.init_from_hf:
+        logger.info("starting at step 0 of %d from random weights (train.seed=%d)",
+                    job.train.steps, job.train.seed)  # fmt: skip
     for change in plan.resume_changes:
         logger.info("changed since the checkpoint, applied: %s", change)
 

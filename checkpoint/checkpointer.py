@@ -96,10 +96,14 @@ class Checkpointer:
         if cfg.interval > 0 and cfg.async_mode == "async":
             self.group = dist.new_group(backend="gloo")
 
-    def load(self, states: dict[str, Any], resume: ResumePoint | None) -> ResumePoint | None:
+    def load(
+        self, states: dict[str, Any], resume: ResumePoint | None, total_steps: int
+    ) -> ResumePoint | None:
         """Verify `resume` and load it into `states` in place (DCP reshards onto this mesh);
         returns the checkpoint loaded, which with resume=auto is an older one if `resume`
-        is damaged (see check_resume). None: nothing to load."""
+        is damaged (see check_resume). None: nothing to load. Rank 0 logs the run's start
+        (`resuming ... at step N of total_steps`) only here, once the checkpoint it names is
+        verified, so no line names a checkpoint that is then skipped."""
         # Every rank chose on its own, from its view of the file system. A node that does not
         # see the newest marker yet (NFS caching) would load another step: refuse, loudly.
         choices: list[Any] = [None] * dist.get_world_size()
@@ -118,15 +122,13 @@ class Checkpointer:
         start = time.perf_counter()
         wanted = [MODEL] if resume.model_only else [k for k in states if k != CONFIG]
         dcp.load({k: states[k] for k in wanted}, checkpoint_id=resume.path)
-        if self.is_rank0:
-            what = "model weights only, starting at step 0" if resume.model_only else "all state"
-            logger.info(
-                "resumed from %s (%s, step %d) in %.3f s",
-                resume.path,
-                what,
-                resume.step,
-                time.perf_counter() - start,
-            )
+        seconds = time.perf_counter() - start
+        if self.is_rank0 and resume.model_only:
+            logger.info("starting at step 0 of %d from the model weights of %s (loaded in "
+                        "%.3f s)", total_steps, resume.path, seconds)  # fmt: skip
+        elif self.is_rank0:
+            logger.info("resuming %s at step %d of %d (all state, loaded in %.3f s)",
+                        resume.path, resume.step, total_steps, seconds)  # fmt: skip
         return resume
 
     def _damaged_files(self, path: Path) -> list[str]:
@@ -171,7 +173,8 @@ class Checkpointer:
             (path / PENDING).unlink(missing_ok=True)
         # The writer is built here, not inferred by DCP from a path, so the storage can be
         # swapped in one place (and tests can slow it down or crash it). It records checksums.
-        writer = ChecksummingWriter(str(path))
+        # overwrite=True: said, not left to a default torch has announced it may change.
+        writer = ChecksummingWriter(str(path), overwrite=True)
         if self.cfg.async_mode == "off":
             try:
                 dcp.save(states, storage_writer=writer)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,19 @@ class ChecksummingWriter(FileSystemWriter):
     the summing in its background thread, and an error (a full disk) reaches every rank the way
     DCP reports errors: as the save's exception.
     """
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        # Saving over an existing step directory is deliberate (the step after a fallback from
+        # a damaged checkpoint, a restart that redoes a step), and Checkpointer.save removed its
+        # COMPLETE first, so it never looks complete while it is rewritten. torch (2.11-2.13)
+        # warns about it on every rank, even with overwrite=True set explicitly: drop just that
+        # warning. In an async save this runs in DCP's thread, and catch_warnings swaps the
+        # process's filter list: the only warning it can hide elsewhere is this same one.
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message="Detected an existing checkpoint in ", category=UserWarning
+            )
+            return super().prepare_local_plan(plan)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
