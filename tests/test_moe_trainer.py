@@ -6,6 +6,7 @@ loss in transformers)."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -194,3 +195,48 @@ def train_and_log(args: list[str]) -> tuple[list[float], str]:
     logging.getLogger().addHandler(handler)
     logging.getLogger().setLevel(logging.INFO)
     return train_losses(args), "\n".join(records)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("config", "nodes", "per_node", "mesh"),
+    [
+        ("configs/qwen3_moe_debug.toml", 1, 4, "dp_replicate=1 x dp_shard=4 (world size 4)"),
+        pytest.param("configs/qwen3_moe_30b_a3b.toml", 4, 8,
+                     "dp_replicate=1 x dp_shard=32 (ep=8 inside dp_shard) (world size 32)",
+                     marks=pytest.mark.slow),
+    ],
+)  # fmt: skip
+def test_shipped_configs_resolve_on_their_intended_clusters(
+    config: str, nodes: int, per_node: int, mesh: str
+) -> None:
+    """`train.py <config> --dry-run` (no data needed) plans the mesh its comment names, and
+    30B-A3B the memory its comment quotes from the planner."""
+    import subprocess
+    import sys
+
+    env = os.environ | {
+        "WORLD_SIZE": str(nodes * per_node), "LOCAL_WORLD_SIZE": str(per_node),
+        "GROUP_WORLD_SIZE": str(nodes),
+    }  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "train.py", config, "--dry-run"], cwd=ROOT, capture_output=True,
+        text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert mesh in result.stdout
+    if "30b" in config:
+        [memory] = re.findall(r"estimated memory per rank +(\d+\.\d+ GiB)", result.stdout)
+        assert f"{memory[:-5]} GiB" in (ROOT / config).read_text()  # "53.2 GiB" of "53.23 GiB"
+
+
+@pytest.mark.slow
+def test_the_debug_config_trains_on_cpu(tiny_dataset: str, tmp_path: Path) -> None:
+    """configs/qwen3_moe_debug.toml as shipped, on 2 gloo ranks, at a shorter seq_len."""
+    argv = [str(ROOT / "configs" / "qwen3_moe_debug.toml"), f"--data.path={tiny_dataset}",
+            f"--run.output_dir={tmp_path}", "--data.seq_len=64", "--train.steps=3",
+            "--train.eval_interval=0", "--checkpoint.interval=0"]  # fmt: skip
+    losses = run_distributed(train_losses, 2, argv)[0]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
