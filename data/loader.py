@@ -232,8 +232,9 @@ class DataSource:
 
 def _identity(index: DatasetIndex) -> dict[str, Any]:
     """What must match between the sources of a mixture: the tokenizer and the token type.
-    Not where the tokenizer file was: the same tokenizer.json may have been copied."""
-    tokenizer = {k: v for k, v in index.tokenizer.items() if k != "path"}
+    Not its name or where its file was (a path, absolute in the index.json of datasets
+    prepared before relative_path): the same tokenizer.json may have been copied."""
+    tokenizer = {k: index.tokenizer[k] for k in ("kind", "sha256") if k in index.tokenizer}
     ids = {"vocab_size": index.vocab_size, "eos_id": index.eos_id, "bos_id": index.bos_id}
     return tokenizer | ids | {"dtype": index.dtype}
 

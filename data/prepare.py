@@ -41,7 +41,7 @@ from data.inputs import DEFAULT_PATTERN, NotText, check_inputs, find_files, iter
 from data.sft import KINDS, load_format
 from data.sft import PATTERN as EXAMPLE_PATTERN
 from data.sft import Kind as ExampleKind
-from data.tokenizer import build_tokenizer
+from data.tokenizer import build_tokenizer, index_entry
 from data.writer import ShardWriter, Split, check_out, remove_leftovers, replace_dir
 
 logger = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ def prepare(
         index = {
             "version": INDEX_VERSION if example_format is None else MASKED_INDEX_VERSION,
             "dtype": dtype.name,
-            "tokenizer": tok.describe(),
+            "tokenizer": index_entry(tok.describe(), out),
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
             # Read by the Hugging Face export (config.json); null for a tokenizer without BOS.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, NotRequired, Protocol, TypedDict
@@ -24,10 +25,12 @@ BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>")
 
 
 class TokenizerInfo(TypedDict):
-    """What ``describe()`` returns; stored in the dataset's index.json."""
+    """What ``describe()`` returns, in this process (``index_entry`` is what a dataset
+    records)."""
 
     kind: Literal["byte", "hf"]
     path: str | None
+    """The tokenizer.json, resolved (None for bytes): workers rebuild the tokenizer from it."""
     vocab_size: int
     eos_id: int
     bos_id: int | None
@@ -159,6 +162,23 @@ class HFTokenizer:
             # or key order is still the same tokenizer.
             "sha256": hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest(),
         }
+
+
+def index_entry(info: TokenizerInfo, dataset: Path) -> dict[str, Any]:
+    """The tokenizer as the index.json of `dataset` records it, true wherever the dataset is
+    copied: what identifies it (kind, vocab_size, eos_id, bos_id, and a tokenizer.json's
+    sha256), a name for people (the file's folder and name, e.g. ``Qwen3-8B/tokenizer.json``),
+    and ``relative_path``, the file relative to the dataset directory, when the two share a
+    folder other than the file system's root (so it holds where both are copied together;
+    None otherwise, and for bytes). Never the absolute path of the machine that prepared it."""
+    entry: dict[str, Any] = {"kind": info["kind"], "name": "byte", "relative_path": None}
+    if info["path"] is not None:
+        file, root = Path(info["path"]), dataset.resolve()
+        entry["name"] = f"{file.parent.name}/{file.name}"
+        if os.path.commonpath([file, root]) != file.anchor:
+            entry["relative_path"] = os.path.relpath(file, root)
+    identity = ("vocab_size", "eos_id", "bos_id", "sha256")
+    return entry | {key: value for key, value in info.items() if key in identity}
 
 
 def build_tokenizer(path: str | None, eos_token: str | None = None) -> ByteTokenizer | HFTokenizer:

@@ -19,11 +19,13 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from configs import ConfigError, parse_config
 from data.loader import (
     DataConfig,
+    SourceConfig,
     TokenSequences,
     build_dataloader,
     check_eval_split,
     check_token_ids,
     open_dataset,
+    open_sources,
 )
 from data.prepare import find_files, is_val, main, prepare, stdlib_dir
 from data.stream import GlobalStream, GlobalStreamBatchSampler
@@ -91,7 +93,8 @@ def test_prepare_round_trips_text_and_splits_by_document(
     index = json.loads((dataset / "index.json").read_text())
     assert index["version"] == 1 and index["dtype"] == "uint16"
     assert index["tokenizer"] == {
-        "kind": "byte", "path": None, "vocab_size": 258, "eos_id": 257, "bos_id": 256
+        "kind": "byte", "name": "byte", "relative_path": None, "vocab_size": 258, "eos_id": 257,
+        "bos_id": 256,
     }  # fmt: skip
     assert (index["vocab_size"], index["eos_id"], index["bos_id"]) == (258, 257, 256)
     train, val = _documents(dataset, "train"), _documents(dataset, "val")
@@ -506,6 +509,11 @@ def test_prepare_with_local_hf_tokenizer(tmp_path: Path, corpus: tuple[Path, dic
     # The hash names the tokenizer, not its file: re-saved pretty-printed it is the same; with
     # two tokens' ids swapped (same size, same special ids) it is another.
     assert index.tokenizer["sha256"] == tok.describe()["sha256"]
+    # Nothing of this machine's file system: the file's folder and name, and where it is from
+    # the dataset (true where both are copied together).
+    assert index.tokenizer["name"] == f"{tmp_path.name}/tokenizer.json"
+    assert index.tokenizer["relative_path"] == "../tokenizer.json" and "path" not in index.tokenizer
+    assert str(tmp_path) not in json.dumps(index.tokenizer)
     raw = json.loads((tmp_path / "tokenizer.json").read_text())
     (tmp_path / "pretty").mkdir()
     (tmp_path / "pretty" / "tokenizer.json").write_text(json.dumps(raw, indent=4))
@@ -525,3 +533,17 @@ def test_prepare_with_local_hf_tokenizer(tmp_path: Path, corpus: tuple[Path, dic
         HFTokenizer(str(tmp_path), eos_token="nope")
     with pytest.raises(ConfigError, match="no tokenizer file at"):
         HFTokenizer(str(tmp_path / "missing.json"))
+
+    # A dataset prepared before relative_path (its index.json holds the tokenizer's absolute
+    # path on the machine that prepared it) still loads, and mixes with one prepared now.
+    old = tmp_path / "old"
+    old.mkdir()
+    for shard in out.glob("*.bin"):
+        (old / shard.name).symlink_to(shard)
+    written = json.loads((out / "index.json").read_text())
+    before = {key: written["tokenizer"][key] for key in ("kind", "vocab_size", "eos_id",
+              "bos_id", "sha256")} | {"path": "/elsewhere/tokenizer.json"}  # fmt: skip
+    (old / "index.json").write_text(json.dumps(written | {"tokenizer": before}))
+    assert open_dataset(old).tokenizer["path"] == "/elsewhere/tokenizer.json"
+    both = {"old": SourceConfig(str(old)), "new": SourceConfig(str(out))}
+    assert [s.name for s in open_sources(DataConfig(sources=both, seq_len=16))] == ["new", "old"]
