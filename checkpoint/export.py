@@ -190,7 +190,9 @@ def export_checkpoint(
             for stale in ADAPTER_FILES:
                 (out / stale).unlink(missing_ok=True)
         files = save_peft_adapters(model, mapping, lora, out, dtype)
-        logger.info("wrote the LoRA adapters (PEFT layout) to %s", out)
+        # Says the dtype: the run's checkpoint.export_dtype does not apply here (ADAPTER_DTYPE).
+        name = next(key for key, value in DTYPES.items() if value == dtype)
+        logger.info("wrote the LoRA adapters (PEFT layout, %s) to %s", name, out)
         return files
     if dtype is None:
         dtype = DTYPES[config.get("checkpoint", {}).get("export_dtype", "bfloat16")]

@@ -215,7 +215,9 @@ def test_lora_run_starts_at_the_base_model_and_trains_only_adapters(
     assert set(saved["optimizer"]["state"]) == adapters
 
 
-def test_lora_export_merged_and_as_peft_adapters(lora_run: dict[str, Any], tmp_path: Path) -> None:
+def test_lora_export_merged_and_as_peft_adapters(
+    lora_run: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Merged: transformers gives our trained model's logits (fp32, 1e-5). --adapters-only:
     PEFT's files, which PeftModel puts on the base model for the same logits. A run without
     LoRA has no adapters to export: one error line."""
@@ -232,7 +234,11 @@ def test_lora_export_merged_and_as_peft_adapters(lora_run: dict[str, Any], tmp_p
 
     # The documented command (docs/finetuning.md), no --dtype: float32 adapters, whatever the
     # run's checkpoint.export_dtype (bf16 ones move these logits by ~1e-4).
-    assert main([str(step), str(tmp_path / "adapters"), "--adapters-only"]) == 0
+    with caplog.at_level(logging.INFO, logger="checkpoint.export"):
+        assert main([str(step), str(tmp_path / "adapters"), "--adapters-only"]) == 0
+    assert f"wrote the LoRA adapters (PEFT layout, float32) to {tmp_path / 'adapters'}" in (
+        caplog.messages
+    )
     assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors"
     ]  # fmt: skip
