@@ -2,6 +2,7 @@
 process, with one difference at the end.
 
     python launch/agent.py --standalone --nproc-per-node=2 train.py ...   # torchrun's options
+    python -m launch.agent --keep-failure-report --nnodes=2 ...           # several nodes
 
 A rank that stops the run itself (a non-finite loss, a full disk) logs why in one line and
 exits with a status: 1, or 2 for a config error only the ranks can find. torchrun would then
@@ -10,8 +11,18 @@ and a report, after the rank's line, and exit 1 whatever the cause. Here the run
 rank's own line (or its traceback, for a crash) and the launcher exits with the rank's status.
 
 A rank killed by a signal (the OOM killer, a segfault, `kill -9`) printed nothing: torchrun's
-report, which names it and the signal, is kept. Restarts (`--max-restarts`) and stop signals
+report, which names it and the signal, is kept. So is every report with
+`--keep-failure-report` (multinode.sh, hsdp.sbatch): on several nodes only rank 0 logs why the
+run stopped, and another node's agent would end with nothing said. Restarts (`--max-restarts`)
 are torchrun's, unchanged.
+
+A stop signal to the agent (SIGTERM, SIGINT, SIGUSR1, ...) is torchrun's too: it passes the
+signal to the ranks, which finish their step, save and exit 0, and waits for them. torchrun
+would then raise its SignalException: a traceback and exit status 1, as for a failure. Here the
+run ends with one line and exit status 128 + the signal's number (143 for SIGTERM, 138 for
+SIGUSR1, 130 for SIGINT), what a shell reports for a process a signal ended: a stopped run is
+neither finished (0: `launcher && export` must not go on) nor failed (1), and a scheduler can
+tell it apart (Slurm's RequeueExit, say). What the ranks saved is in their own lines above it.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import logging
 import sys
 
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 # What torchrun's agent logs when a rank has failed: which one, and each peer it then stops.
@@ -60,7 +72,12 @@ def reported_status(error: ChildFailedError) -> int | None:
     return failure.exitcode if failure.exitcode > 0 else None
 
 
+KEEP_REPORT = "--keep-failure-report"
+
+
 def main(argv: list[str]) -> int:
+    keep_report = argv[:1] == [KEEP_REPORT]
+    argv = argv[1:] if keep_report else argv
     hold = HoldBack()
     # Every logger of the agent gets the filter: a line from any of them releases what is held.
     agent_loggers = [
@@ -73,10 +90,18 @@ def main(argv: list[str]) -> int:
     try:
         torchrun.main(argv)
     except ChildFailedError as error:
-        if (status := reported_status(error)) is None:
+        if keep_report or (status := reported_status(error)) is None:
             hold.release()
             raise
         hold.held.clear()  # the rank's own line stays the last
+        return status
+    except SignalException as stop:
+        # The agent's "Sending process ... closing signal" lines are the stop itself, not news.
+        hold.held.clear()
+        status = 128 + stop.sigval
+        reason = "a stop, not a failure; the ranks' lines above say the step they saved"
+        print(f"launcher: stopped by {stop.sigval.name}, exit status {status} ({reason})",
+              file=sys.stderr)  # fmt: skip
         return status
     finally:
         hold.release()

@@ -11,8 +11,9 @@
 #                  PYTHON, checks the config and runs torchrun's agent (launch/agent.py)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get to save after a stop signal (default
 #                  30; torch >= 2.12 reads it, 2.11 always gives 30)
-# Stop: SIGTERM, SIGINT or SIGUSR1 to this script (it becomes torchrun) makes the ranks finish
-# their step, save a checkpoint and exit; torchrun then exits 1 with a SignalException.
+# Stop: SIGTERM, SIGINT or SIGUSR1 to this script (it becomes torchrun's agent) makes the ranks
+# finish their step, save a checkpoint and exit 0; the script then exits 128 + the signal's
+# number (143 for SIGTERM, 130 SIGINT, 138 SIGUSR1): stopped, neither finished (0) nor failed.
 # A rank that stops the run itself (non-finite loss, disk full) ends it with its own line and
 # exit status (1; 2 for a config error), with no torchrun report after it.
 set -euo pipefail

@@ -399,6 +399,8 @@ def test_plain_torchrun_with_a_missing_interface_is_one_line_per_node(
 
 # checkpoint.interval far beyond the run: only a stop can save anything.
 LONG_RUN = ["--train.steps=4000", "--checkpoint.interval=1000", "--metrics.log_interval=5"]
+# The launcher's last line after a stop (launch/agent.py).
+STOP_LINE = "launcher: stopped by {name}, exit status {status} (a stop, not a failure"
 
 
 def stopped_and_saved(log: str, signame: str, ckpt: Path) -> int:
@@ -422,10 +424,13 @@ def test_torchrun_sh_sigterm_saves_and_the_next_launch_resumes_there(
     ranks = run.worker_pids()
     start = time.monotonic()
     os.kill(run.procs[0].pid, signal.SIGTERM)
-    run.wait(timeout=60)
+    # A stop, neither finished (0) nor failed (1): 128 + 15, and one line, no traceback.
+    assert run.wait(timeout=60) == [143], run.text()[-4000:]
     gone = time.monotonic() - start
     assert not any(alive(pid) for pid in ranks.values())
     step = stopped_and_saved(run.text(), "SIGTERM", tmp_path / "debug" / "checkpoints")
+    assert STOP_LINE.format(name="SIGTERM", status=143) in run.text()
+    assert "Traceback" not in run.text() and "SignalException" not in run.text()
 
     args = tiny_args(tiny_dataset, tmp_path, f"--train.steps={step + 2}")
     again = launch.single(tmp_path / "second.log", args)
@@ -434,6 +439,55 @@ def test_torchrun_sh_sigterm_saves_and_the_next_launch_resumes_there(
     assert resumed and int(resumed.group(2)) == step, again.text()[-4000:]
     print(f"SIGTERM: saved step {step}, torchrun and ranks gone {gone:.1f} s after the "
           f"signal; resumed at step {resumed.group(2)}")  # fmt: skip
+
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun on one node: drop srun's options, run the task.
+while [[ $1 == --* ]]; do shift; done
+exec "$@"
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+# scontrol show hostnames LIST -> this machine; scontrol requeue JOB -> noted in $REQUEUED.
+if [[ $1 == show ]]; then echo 127.0.0.1; else echo "$*" >> "$REQUEUED"; fi
+"""
+
+
+@pytest.mark.slow
+def test_hsdp_sbatch_exits_138_after_sigusr1_saves_and_requeues(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """hsdp.sbatch in a one-node job, with srun and scontrol stand-ins (no Slurm here; the real
+    cluster's test is test_sbatch_stop_signals_save_the_step_in_flight_and_usr1_requeues):
+    SIGUSR1 to the batch shell, as --signal=B:USR1@120 sends it. The ranks save the step in
+    flight, the job requeues itself, and the script exits 138 (128 + SIGUSR1), the status a
+    scheduler can tell from a failure's 1."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{ENV['PATH']}", "SLURM_JOB_ID": "4242",
+        "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node1",
+        "SLURM_CPUS_ON_NODE": "2", "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()),
+        "REQUEUED": str(tmp_path / "requeued"),
+        # This checkout's launch.agent, whatever checkout the environment has installed.
+        "PYTHONPATH": str(ROOT),
+    }  # fmt: skip
+    log = tmp_path / "job.out"
+    args = ["configs/debug.toml", *tiny_args(tiny_dataset, tmp_path, *LONG_RUN)]
+    job = Launched([log], [["bash", "launch/hsdp.sbatch", *args]], [env])
+    try:
+        job.wait_for(r"step 10/\d+  loss", timeout=90)
+        os.kill(job.procs[0].pid, signal.SIGUSR1)
+        assert job.wait(timeout=60) == [138], job.text()[-4000:]
+    finally:
+        job.kill()
+    text = job.text()
+    stopped_and_saved(text, "SIGUSR1", tmp_path / "debug" / "checkpoints")
+    assert STOP_LINE.format(name="SIGUSR1", status=138) in text, text[-4000:]
+    assert (tmp_path / "requeued").read_text() == "requeue 4242\n"
+    assert "Traceback" not in text, text[-4000:]
 
 
 @pytest.mark.slow
@@ -755,6 +809,7 @@ def test_sbatch_stop_signals_save_the_step_in_flight_and_usr1_requeues(
         slurm_cmd("scancel", job)
     text = log()
     assert "SIGUSR1: the ranks finish their step" in text, text[-4000:]
+    assert STOP_LINE.format(name="SIGUSR1", status=138) in text, text[-4000:]
     assert f"requeueing job {job}" in text, text[-4000:]
     ckpt = tmp_path / "debug" / "checkpoints"
     saved = stopped_and_saved(text, "SIGUSR1", ckpt)
