@@ -12,8 +12,8 @@ rank's own line (or its traceback, for a crash) and the launcher exits with the 
 
 A rank killed by a signal (the OOM killer, a segfault, `kill -9`) printed nothing: torchrun's
 report, which names it and the signal, is kept. So is every report with
-`--keep-failure-report` (multinode.sh, hsdp.sbatch): on several nodes only rank 0 logs why the
-run stopped, and another node's agent would end with nothing said. Restarts (`--max-restarts`)
+`--keep-failure-report` (hsdp.sbatch): on several nodes only rank 0 logs why the run stopped,
+and another node's agent would end with nothing said. Restarts (`--max-restarts`)
 are torchrun's, unchanged.
 
 A stop signal to the agent (SIGTERM, SIGINT, SIGUSR1, ...) is torchrun's too: it passes the
