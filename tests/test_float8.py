@@ -229,6 +229,7 @@ def test_importing_torchao_keeps_the_log_clean(tmp_path: Path) -> None:
     assert "Failed to load" not in result.stderr and "register_constant" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_run_without_fp8_never_imports_torchao(tiny_dataset: str, tmp_path: Path) -> None:
     """torchao's import logs CUDA kernel warnings that a bf16 or CPU run has no use for: a
     2-step training (1 process) and the other commands' modules leave it unimported."""
