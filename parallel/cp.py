@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 
 Batch = TypeVar("Batch", bound=NamedTuple)
 
+# torch 2.13 renamed the tensor collectives (the old names warn); 2.11 has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 def check_cp(
     cfg: ParallelConfig, seq_len: int, fp8: bool, compiled: bool, step_terms: bool, name: str
@@ -139,14 +143,14 @@ class _GatherSequence(torch.autograd.Function):
         seq_first = grad.movedim(2, 0)
         parts = torch.cat([split_sequence(seq_first, r, cp, dim=0) for r in range(cp)])
         out = parts.new_empty((parts.shape[0] // cp, *parts.shape[1:]))
-        dist.reduce_scatter_tensor(out, parts.contiguous(), group=ctx.group)
+        _reduce_scatter(out, parts.contiguous(), group=ctx.group)
         return out.movedim(0, 2), None, None
 
 
 def _gather(x: torch.Tensor, group: dist.ProcessGroup, cp: int, dim: int) -> torch.Tensor:
     seq_first = x.movedim(dim, 0).contiguous()
     out = seq_first.new_empty((cp * seq_first.shape[0], *seq_first.shape[1:]))
-    dist.all_gather_into_tensor(out, seq_first, group=group)
+    _all_gather(out, seq_first, group=group)
     return unsplit_sequence(out, cp, dim=0).movedim(0, dim)
 
 
