@@ -77,6 +77,44 @@ def test_chunked_kernel_with_offset_equals_the_rows_of_the_whole() -> None:
         torch.testing.assert_close(v2.grad, v1.grad)
 
 
+def check_split_attention(device: str, impl: str, documents: bool, dtype: torch.dtype) -> None:
+    """Each of cp 2 ranks' SplitMask attention (its gather faked: the whole K/V, whose gradients
+    then sum over the ranks as the reduce-scatter sums them) gives its rows of whole-sequence
+    attention, and the ranks' gradients add up to the whole's. On CUDA this is FlexAttention's
+    mask_mod over whole-sequence rows (tests/test_gpu.py)."""
+    from data.documents import document_ids
+    from model.attention import attention, document_mask, split_mask
+
+    cp, seq = 2, 64
+    gen = torch.Generator(device=device).manual_seed(0)
+    shapes = [(2, 4, seq, 16), (2, 2, seq, 16), (2, 2, seq, 16), (2, 4, seq, 16)]
+    q, k, v, dout = (torch.randn(s, generator=gen, device=device, dtype=dtype) for s in shapes)
+    ids = None
+    if documents:
+        ids = document_ids(torch.randint(0, 12, (2, seq), generator=gen, device=device), 0)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    whole = attention(q, k, v, document_mask(ids, impl), impl)
+    want = [whole, *torch.autograd.grad(whole, leaves, dout)]
+    outs, total = [], 0
+    for rank in range(cp):
+        k_local, v_local = (split_sequence(t, rank, cp, dim=2) for t in (k, v))
+        gather = lambda t, kl=k_local: k if t is kl else v  # noqa: E731
+        mask = split_mask(chunk_spans(rank, cp, seq // cp), seq, gather, ids, impl, q.device)
+        out = attention(split_sequence(q, rank, cp, dim=2), k_local, v_local, mask, impl)
+        outs.append(out)
+        total = total + (out * split_sequence(dout, rank, cp, dim=2)).sum()
+    got = [unsplit_sequence(torch.cat(outs, dim=2), cp, dim=2), *torch.autograd.grad(total, leaves)]
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {}
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(g, w, msg=name, **tol)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "chunked"])
+@pytest.mark.parametrize("documents", [False, True])
+def test_split_attention_gives_the_rows_of_whole_attention(impl: str, documents: bool) -> None:
+    check_split_attention("cpu", impl, documents, torch.float64)
+
+
 # ---- config errors, before any process group -------------------------------------------------
 
 
