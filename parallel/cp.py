@@ -118,10 +118,10 @@ def split_after(to_batch: Callable[..., Batch], mesh: DeviceMesh) -> Callable[..
 
 def split_batch(batch: Batch, rank: int, cp: int) -> Batch:
     """This rank's share of a micro-batch (a NamedTuple of (batch, seq) tensors or None, with
-    a `positions` field): every field split along the sequence, the positions first made
+    `inputs` and `positions` fields): every field split along the sequence, the positions first made
     explicit, so each token keeps the RoPE position it had in the whole window."""
     if batch.positions is None:
-        inputs = batch[0]
+        inputs = batch.inputs
         rows = torch.arange(inputs.shape[1], device=inputs.device)
         batch = batch._replace(positions=rows.expand(inputs.shape))
     return type(batch)(*(None if t is None else split_sequence(t, rank, cp) for t in batch))

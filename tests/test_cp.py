@@ -18,7 +18,7 @@ from model.attention import chunked_causal_attention
 from parallel.cp import chunk_spans, split_batch, split_sequence, unsplit_sequence
 from parallel.dims import LaunchEnv, ParallelConfig, resolve_dims
 from tests.distributed import run_distributed
-from tests.test_train import FP32, TINY, assert_close, run
+from tests.test_train import FP32, TINY, assert_close, run, train_losses
 
 EOS, VOCAB, SEQ = 257, 260, 32
 
@@ -136,6 +136,7 @@ def test_cp_fills_the_world_with_dp() -> None:
         (4, ["--parallel.tp=2"], r"parallel.cp=2 with parallel.tp=2 is not supported"),
         (2, ["--compile.enabled=true"], r"with compile.enabled is not supported"),
         (2, ["--model.name=qwen3_moe", "--model.flavor=debug"], "adds loss terms per sequence"),
+        (2, ["--fp8.enabled=true", "--fp8.emulate=true"], r"with fp8.enabled is not supported"),
     ],
 )
 def test_cp_config_errors(tiny_dataset: str, world: int, extra: list[str], message: str) -> None:
@@ -244,9 +245,11 @@ def test_cp2_losses_and_gradients_equal_one_process() -> None:
 
 
 @pytest.mark.slow
-def test_cp2_with_hsdp_losses_and_gradients_equal_one_process() -> None:
-    """HSDP 2 x cp 2 (4 ranks, 2 "nodes"): FSDP spans the replicas and dp_shard x cp."""
-    assert_parity(run_distributed(losses_and_grads, 4, (2, 1, 2), nodes=2)[0])
+@pytest.mark.parametrize("dims", [(1, 2, 2), (2, 1, 2)], ids=["dp_shard2-cp2", "hsdp2-cp2"])
+def test_cp2_with_dp_losses_and_gradients_equal_one_process(dims: tuple[int, int, int]) -> None:
+    """dp_shard 2 x cp 2 and HSDP 2 x cp 2 (4 ranks): FSDP spans dp_shard x cp (and the
+    replicas), each dp rank its own sequences."""
+    assert_parity(run_distributed(losses_and_grads, 4, dims, nodes=dims[0])[0])
 
 
 # ---- the trainer ---------------------------------------------------------------------------------
@@ -255,13 +258,13 @@ def test_cp2_with_hsdp_losses_and_gradients_equal_one_process() -> None:
 @pytest.mark.slow
 def test_trainer_at_cp2_dp2_and_resume_across_cp(short_docs: str, tmp_path: Path) -> None:
     """The trainer on cp 2 x dp_shard 2 (4 ranks, document-masked, per-document positions, the
-    chunked kernel) gives the 1-process losses; its step-2 checkpoint resumes on 1 process and
-    on cp 1 x dp_shard 2 with the straight run's losses (keys and data position do not depend
-    on cp)."""
+    chunked kernel, full AC) gives the 1-process losses; its step-2 checkpoint resumes on 1
+    process and on cp 1 x dp_shard 2 with the straight run's losses (keys and data position do
+    not depend on cp)."""
     base = [*FP32, "--model.vocab_size=260", "--train.micro_batch_size=2", "--train.steps=4",
             "--data.attention_mask=document", "--data.document_positions=true",
             "--model.attention=chunked", "--checkpoint.interval=2",
-            "--checkpoint.keep_last=0", "--train.eval_interval=4"]  # fmt: skip
+            "--checkpoint.keep_last=0", "--train.eval_interval=4", "--ac.mode=full"]  # fmt: skip
     single = run(short_docs, tmp_path, 1, 1, [*base, "--run.name=one"])
     split = run(short_docs, tmp_path, 4, 1, [*base, "--parallel.cp=2", "--run.name=cp"])
     assert_close(split, single, rtol=1e-5)
@@ -270,3 +273,26 @@ def test_trainer_at_cp2_dp2_and_resume_across_cp(short_docs: str, tmp_path: Path
         resumed = run(short_docs, tmp_path, world, 1,
                       [*base, f"--run.name={name}", f"--checkpoint.resume={saved}"])  # fmt: skip
         assert_close(resumed, single[2:], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_trainer_at_cp2_on_a_mixture_with_fine_tuning_examples(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Mixtures and fine-tuning examples are decided before the split, and LoRA changes no
+    attention: LoRA at cp 2 on a mixture of text and prompt/response examples (whose prompts
+    are no target) gives the 1-process losses."""
+    from data.prepare import prepare
+    from tests.test_sft import additions, write_jsonl
+
+    jsonl = write_jsonl(tmp_path / "sums.jsonl", additions(300))
+    sums = prepare([jsonl], tmp_path / "sums", val_fraction=0.2, format="prompt_response")
+    mix = [f"--data.sources.text.path={tiny_dataset}", "--data.sources.text.weight=0.5",
+           f"--data.sources.sums.path={sums}", "--data.sources.sums.weight=0.5"]  # fmt: skip
+    base = [*FP32, *mix, "--model.vocab_size=260", "--train.micro_batch_size=4",
+            "--train.steps=3", "--data.attention_mask=document", "--lora.enabled=true",
+            "--optim.lr=3e-2"]  # fmt: skip
+    argv = [f"--run.output_dir={tmp_path}", *TINY, *base]
+    single = run_distributed(train_losses, 1, [*argv, "--run.name=one"])[0]
+    split = run_distributed(train_losses, 2, [*argv, "--run.name=cp", "--parallel.cp=2"])[0]
+    assert_close(split, single, rtol=1e-5)
