@@ -12,6 +12,12 @@ each query then sees only earlier keys of its own document. Which kernel runs:
 | CPU, model.attention = "sdpa" | SDPA `is_causal` | SDPA with a (batch, 1, seq, seq) boolean mask |
 | CPU, model.attention = "chunked" | chunked causal | chunked, comparing document ids per block |
 
+Under context parallel (parallel/cp.py) `document_mask` returns a `SplitMask` instead, ids or
+not: this rank's queries are some rows of the sequence and `attention` gathers the whole
+sequence's keys and values through it, then runs the same kernels with a mask over
+whole-sequence positions (FlexAttention on CUDA, SDPA with a boolean mask, or the chunked kernel
+on each run of rows at its offset).
+
 `scaled_dot_product_attention` on CPU runs a flash-attention kernel whose inner matmuls are
 (block x head_dim) tiles. At head_dim 16-64 those tiles are too thin to keep the vector units
 busy, and in bf16 its backward is slower still (BENCHMARKS.md: forward+backward 1.8-2.1x slower
@@ -197,7 +203,9 @@ def _flex_split_mask(rows: torch.Tensor, document_ids: torch.Tensor | None, seq:
     """Local query q_idx is row rows[q_idx] of the whole sequence; kv_idx indexes the whole
     sequence: causal (and same-document) over the whole sequence's positions."""
 
-    def causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor):
+    def causal(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
         return kv_idx <= rows[q_idx]
 
     def causal_same_document(
