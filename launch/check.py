@@ -238,11 +238,14 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     """`train.py --dry-run`: the resolved config and the run's memory and communication plan,
     printed; nothing is trained and no data is needed."""
     shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
+    # Context parallel, as far as the planner knows it: FSDP over dp_shard x cp, 1/cp of each
+    # sequence per rank. The gathered keys and values and their all-gathers are not counted.
+    shard, seq_len = plan.dp_shard * plan.cp, job.data.seq_len // plan.cp
     mem = plan_memory(
         shape,
-        plan.dp_shard,
+        shard,
         job.train.micro_batch_size,
-        job.data.seq_len,
+        seq_len,
         job.parallel.param_dtype,
         job.ac.mode,
         job.ac.every,
@@ -255,14 +258,14 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     comm = plan_communication(
         shape,
         plan.dp_replicate,
-        plan.dp_shard,
+        shard,
         job.parallel.param_dtype,
         job.parallel.reduce_dtype,
         reshard_after_forward=job.parallel.reshard_after_forward,
         grad_accum_steps=plan.grad_accum_steps,
         cpu_offload=job.parallel.cpu_offload,
         tp=plan.tp,
-        tokens=job.train.micro_batch_size * job.data.seq_len,
+        tokens=job.train.micro_batch_size * seq_len,
         ac_mode=job.ac.mode,
         ac_every=job.ac.every,
         ep=plan.ep,
@@ -283,6 +286,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     if plan.resume is not None:
         print(f"# resume: {plan.resume.path} (step {plan.resume.step})")
     mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
+    mesh += f" (dp_shard x CP{plan.cp})" if plan.cp > 1 else ""
     mesh += f" TP{plan.tp}" if plan.tp > 1 else ""
     mesh += f" EP{plan.ep}" if plan.ep > 1 else ""
     print("\n".join(f"# {line}" for line in format_plan({mesh: (mem, comm)})))
