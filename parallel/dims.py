@@ -29,8 +29,8 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks (2 chunks each, one early and
     one late, for an even share of causal work), keys and values all-gathered per layer
-    (parallel/cp.py). The cp ranks are data-parallel for the weights: FSDP shards over
-    dp_shard x cp."""
+    (parallel/cp.py); 2 x cp must divide data.seq_len. The cp ranks are data-parallel for the
+    weights: FSDP shards over dp_shard x cp."""
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts families): the experts are split over groups
     of ep consecutive dp_shard ranks, tokens sent to them by all-to-all (parallel/ep.py)."""
