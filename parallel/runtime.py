@@ -78,14 +78,14 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     data-parallel ranks do: FSDP shards over dp_shard x cp (and reduces gradients over both),
     a dimension made here (a new process group: every rank calls this at the same point)."""
     replicas, cp = mesh["dp_replicate"].size(), mesh["cp"].size()
-    if cp > 1 and replicas > 1:
-        # Flattened whole and cut again, rather than sliced out of the root mesh by a
-        # flattened name, which torch deprecates.
-        dims = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp")
-        shape = (replicas, mesh["dp_shard"].size() * cp)
-        return dims._unflatten(0, shape, ("dp_replicate", "dp_shard_cp"))
     if cp > 1:
-        return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        # The same ranks as (dp_replicate, dp_shard, cp, tp) with the two middle dims as one
+        # (cp is inner to dp_shard, so merging them keeps torchrun's rank order), built as a
+        # mesh of its own: public API, where torchtitan flattens with DeviceMesh._flatten.
+        shape = (replicas, mesh["dp_shard"].size() * cp, mesh["tp"].size())
+        names = ("dp_replicate", "dp_shard_cp", "tp")
+        merged = init_device_mesh(mesh.device_type, shape, mesh_dim_names=names)
+        return merged["dp_replicate", "dp_shard_cp"] if replicas > 1 else merged["dp_shard_cp"]
     if replicas > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
