@@ -63,6 +63,7 @@ from launch.preflight import network_problem
 from model import count_params, get_hf_mapping
 from parallel.build import BuiltModel, build_model
 from parallel.compile import compile_loss
+from parallel.cp import split_after
 from parallel.dims import LaunchEnv
 from parallel.ep import build_expert_mesh
 from parallel.fsdp import assign_local_shard, reshard_plan
@@ -215,7 +216,7 @@ def _train(
 ) -> list[float]:
     torch.manual_seed(job.train.seed)
     torch.use_deterministic_algorithms(job.train.deterministic)
-    mesh = build_mesh(device, plan.dp_replicate, plan.dp_shard, plan.tp)
+    mesh = build_mesh(device, plan.dp_replicate, plan.dp_shard, plan.tp, plan.cp)
     run_dir = Path(job.run.output_dir) / job.run.name
     ckpt_folder = checkpoint_folder(job.checkpoint, run_dir)
     config_toml = config_to_toml(job)
@@ -310,11 +311,14 @@ def setup(
     # A loader's (inputs, targets) on the device, with their document ids and targets under
     # data.attention_mask="document" (data/documents.py): derived per micro-batch, on the device.
     to_batch = partial(micro_batch, cfg=job.data, eos_id=plan.dataset.eos_id, device=device)
+    if plan.cp > 1:  # each cp rank keeps its two chunks of the window (parallel/cp.py)
+        to_batch = split_after(to_batch, mesh["cp"])
     # No block freed after forward ('never', or 'default' at dp_shard = 1): keep them gathered
     # between micro-batches too, saving an all-gather (a copy at dp_shard = 1) per block.
     units = len(plan.family.fsdp_units(model))
     p = job.parallel
-    resharded = reshard_plan(units, p.reshard_after_forward, plan.dp_shard, p.cpu_offload)
+    resharded = reshard_plan(units, p.reshard_after_forward, plan.dp_shard * plan.cp,
+                             p.cpu_offload)  # fmt: skip
     keep_gathered = plan.grad_accum_steps > 1 and not any(resharded)
     return Run(job, plan, env, built, loss_fn, optimizer, scheduler, device, dp_rank, dp_size,
                to_batch, keep_gathered=keep_gathered)  # fmt: skip
@@ -324,7 +328,7 @@ def train_step(run: Run, micro_batches: list[MicroBatch], stop: bool, log: bool)
     """One optimizer step over the step's micro-batches: the loss normalized by the step's
     target tokens over all ranks, gradients accumulated and clipped, one all-reduce for the
     loss, the stop flag and the model's statistics, then the update (unless non-finite)."""
-    model, t, tp, dp_size = run.model, run.job.train, run.plan.tp, run.dp_size
+    model, t, tp, cp, dp_size = run.model, run.job.train, run.plan.tp, run.plan.cp, run.dp_size
     # Normalize by the *global* number of target tokens of the step, so the loss and the
     # gradients are the same for any micro-batching and any mesh shape.
     global_tokens = sum((b.targets != -100).sum() for b in micro_batches).float()
@@ -342,10 +346,11 @@ def train_step(run: Run, micro_batches: list[MicroBatch], stop: bool, log: bool)
             model.set_reshard_after_backward(last)
         with loss_context(tp):
             loss = summed_loss(model, batch, run.loss_fn) / global_tokens
-            # FSDP averages gradients over the dp ranks; our loss is already a global mean, so
-            # scale by dp_size to turn that average into the sum we want. Each of the tp ranks
-            # of a dp rank counted the same targets into global_tokens: x tp undoes it.
-            objective = loss * dp_size * tp
+            # FSDP averages gradients over the dp x cp ranks; our loss is already a global
+            # mean, so scale by their number to turn that average into the sum we want. Each
+            # of the tp ranks of a dp rank counted the same targets into global_tokens: x tp
+            # undoes it. (cp ranks count different targets: each its own part of a sequence.)
+            objective = loss * dp_size * cp * tp
             # The family's extra terms (an MoE's aux loss) are global means too, the same on
             # every tp rank: x dp_size only.
             extra, extra_stats = run.built.collect(t.global_batch_size)

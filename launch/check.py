@@ -48,6 +48,7 @@ from launch.resume_rules import explain_misfit, resume_changes
 from model import ModelFamily, get_family, get_hf_mapping
 from parallel.ac import ActivationCheckpointConfig
 from parallel.build import build_model
+from parallel.cp import check_cp
 from parallel.dims import LaunchEnv, resolve_dims
 from parallel.ep import check_ep
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
@@ -78,6 +79,8 @@ class Plan:
     """Tensor-parallel degree (parallel/tp.py); the data-parallel ranks are the world / tp."""
     ep: int = 1
     """Expert-parallel degree (parallel/ep.py): groups of ep ranks inside dp_shard."""
+    cp: int = 1
+    """Context-parallel degree (parallel/cp.py): each sequence split over cp ranks."""
     sources: tuple[DataSource, ...] = ()
     """The training sources (data.path, or the data.sources mixture), sorted by name."""
 
@@ -119,7 +122,10 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     # The model as train.py builds it, on meta without a mesh (no memory): its checkpoint keys
     # and shapes (LoRA's adapters included), layer names and what trains. Patterns that match
     # nothing (lora.targets, train.freeze) fail here.
-    meta_model = build_model(family, args, job).model
+    built = build_model(family, args, job)
+    check_cp(job.parallel, job.data.seq_len, job.fp8.enabled, job.compile.enabled,
+             built.terms is not None, job.model.name)  # fmt: skip
+    meta_model = built.model
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
     # or unwritable path) surface here too, before anything could hang on them.
     shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
@@ -153,7 +159,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     dataset = sources[0].index if sources else None
     return Plan(
         family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes),
-        tp=job.parallel.tp, ep=job.parallel.ep, sources=sources,
+        tp=job.parallel.tp, ep=job.parallel.ep, cp=job.parallel.cp, sources=sources,
     )  # fmt: skip
 
 
@@ -232,11 +238,14 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     """`train.py --dry-run`: the resolved config and the run's memory and communication plan,
     printed; nothing is trained and no data is needed."""
     shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
+    # Context parallel, as far as the planner knows it: FSDP over dp_shard x cp, 1/cp of each
+    # sequence per rank. The gathered keys and values and their all-gathers are not counted.
+    shard, seq_len = plan.dp_shard * plan.cp, job.data.seq_len // plan.cp
     mem = plan_memory(
         shape,
-        plan.dp_shard,
+        shard,
         job.train.micro_batch_size,
-        job.data.seq_len,
+        seq_len,
         job.parallel.param_dtype,
         job.ac.mode,
         job.ac.every,
@@ -249,14 +258,14 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     comm = plan_communication(
         shape,
         plan.dp_replicate,
-        plan.dp_shard,
+        shard,
         job.parallel.param_dtype,
         job.parallel.reduce_dtype,
         reshard_after_forward=job.parallel.reshard_after_forward,
         grad_accum_steps=plan.grad_accum_steps,
         cpu_offload=job.parallel.cpu_offload,
         tp=plan.tp,
-        tokens=job.train.micro_batch_size * job.data.seq_len,
+        tokens=job.train.micro_batch_size * seq_len,
         ac_mode=job.ac.mode,
         ac_every=job.ac.every,
         ep=plan.ep,
@@ -264,6 +273,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     print(config_to_toml(job))
     print(
         f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard}"
+        + (f" x cp={plan.cp}" if plan.cp > 1 else "")
         + (f" x tp={plan.tp}" if plan.tp > 1 else "")
         + (f" (ep={plan.ep} inside dp_shard)" if plan.ep > 1 else "")
         + " "
@@ -276,6 +286,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     if plan.resume is not None:
         print(f"# resume: {plan.resume.path} (step {plan.resume.step})")
     mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
+    mesh += f" (dp_shard x CP{plan.cp})" if plan.cp > 1 else ""
     mesh += f" TP{plan.tp}" if plan.tp > 1 else ""
     mesh += f" EP{plan.ep}" if plan.ep > 1 else ""
     print("\n".join(f"# {line}" for line in format_plan({mesh: (mem, comm)})))

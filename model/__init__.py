@@ -27,7 +27,13 @@ What the trainer may assume, and nothing more:
   `positions` (batch, seq): each token's position for RoPE; None: 0..seq-1. A family passes
   both to `model.attention.document_mask` and `attention` (the shared dispatch: SDPA, the
   chunked CPU kernel, FlexAttention on GPUs) and indexes its RoPE table with `positions`; one
-  that cannot mask documents raises on `document_ids`.
+  that cannot mask documents raises on `document_ids`. Calling `document_mask` once per
+  forward (also without ids) and `attention` with its result is what makes context parallel
+  work unchanged: under it (parallel/cp.py) the forward gets this rank's chunks of the
+  sequence with their positions, `document_mask` returns a `SplitMask` (hook:
+  `model.attention.SEQUENCE_SPLIT`) and `attention` gathers the whole sequence's keys and
+  values through it. So a family must not build its own mask, and must pass the mask to each
+  block as an argument (activation checkpointing's recompute reuses it).
   `init_weights(seed, rope_len, assign)` fills every parameter from the seed alone,
   identically on any mesh and device, storing each value through `assign` (the sharded trainer
   keeps only its shard) and (re)builds non-persistent buffers such as the RoPE table for

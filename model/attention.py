@@ -12,6 +12,12 @@ each query then sees only earlier keys of its own document. Which kernel runs:
 | CPU, model.attention = "sdpa" | SDPA `is_causal` | SDPA with a (batch, 1, seq, seq) boolean mask |
 | CPU, model.attention = "chunked" | chunked causal | chunked, comparing document ids per block |
 
+Under context parallel (parallel/cp.py) `document_mask` returns a `SplitMask` instead, ids or
+not: this rank's queries are some rows of the sequence and `attention` gathers the whole
+sequence's keys and values through it, then runs the same kernels with a mask over
+whole-sequence positions (FlexAttention on CUDA, SDPA with a boolean mask, or the chunked kernel
+on each run of rows at its offset).
+
 `scaled_dot_product_attention` on CPU runs a flash-attention kernel whose inner matmuls are
 (block x head_dim) tiles. At head_dim 16-64 those tiles are too thin to keep the vector units
 busy, and in bf16 its backward is slower still (BENCHMARKS.md: forward+backward 1.8-2.1x slower
@@ -31,7 +37,9 @@ SDPA's fused kernels are far ahead of anything built from separate ops.
 
 # No `from __future__ import annotations`: torch.library reads the custom ops' signatures.
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,10 +56,43 @@ QUERY_ROWS = 128
 Mask = BlockMask | torch.Tensor
 
 
-def document_mask(document_ids: torch.Tensor | None, impl: str) -> Mask | None:
+@dataclass(frozen=True)
+class SplitMask:
+    """The mask of a sequence split over ranks (context parallel, parallel/cp.py): this rank's
+    tokens are some rows of the whole sequence, and each of its queries sees the whole
+    sequence's earlier keys (of its document), which `gather` brings."""
+
+    rows: torch.Tensor
+    """(local seq,) int64: each local token's row in the whole sequence."""
+    spans: tuple[tuple[int, int, int], ...]
+    """The local tokens as runs of consecutive rows: (first local index, its row, length)."""
+    gather: Callable[[torch.Tensor], torch.Tensor]
+    """(batch, heads, local seq, head_dim) -> (batch, heads, seq, head_dim), the whole
+    sequence in order; differentiable (its backward sends each rank its rows' gradients)."""
+    document_ids: torch.Tensor | None
+    """(batch, seq): the whole sequence's document ids, or None (causal)."""
+    kernel_mask: Mask | None
+    """A BlockMask over (local queries, all keys) on CUDA, SDPA's boolean (batch or 1, 1, local
+    seq, seq) mask on CPU; None for the chunked kernel, which takes `spans`."""
+
+
+# Context parallel's hook: while it holds a function (parallel/cp.py sets it for the length of
+# the split model's forward), `document_mask` returns that function's SplitMask, which then
+# travels to every layer's `attention` as its mask (also into activation checkpointing's
+# recompute, after the forward). A family that calls `document_mask` and `attention` therefore
+# runs under context parallel as it is.
+SEQUENCE_SPLIT: ContextVar[Callable[[torch.Tensor | None, str], SplitMask] | None] = ContextVar(
+    "sequence_split", default=None
+)
+
+
+def document_mask(document_ids: torch.Tensor | None, impl: str) -> Mask | SplitMask | None:
     """The mask of a batch whose token i belongs to document `document_ids[b, i]` (ids
     nondecreasing along the sequence: each document one contiguous run), for `attention`.
-    Built once per forward and shared by every layer; None (plain causal) without ids."""
+    Built once per forward and shared by every layer; None (plain causal) without ids; a
+    SplitMask, ids or not, under context parallel (`SEQUENCE_SPLIT`)."""
+    if (split := SEQUENCE_SPLIT.get()) is not None:
+        return split(document_ids, impl)
     if document_ids is None:
         return None
     if document_ids.device.type == "cuda":
@@ -62,13 +103,42 @@ def document_mask(document_ids: torch.Tensor | None, impl: str) -> Mask | None:
     return same.tril_().unsqueeze(1)  # (batch, 1, seq, seq): broadcast over heads
 
 
+def split_mask(
+    spans: tuple[tuple[int, int, int], ...],
+    seq: int,
+    gather: Callable[[torch.Tensor], torch.Tensor],
+    document_ids: torch.Tensor | None,
+    impl: str,
+    device: torch.device,
+) -> SplitMask:
+    """The SplitMask of the local tokens `spans` (see SplitMask) of a sequence of `seq` tokens,
+    whose document ids are `document_ids` (batch, seq), or None for causal attention."""
+    rows = torch.cat([torch.arange(g, g + n, device=device) for _, g, n in spans])
+    kernel_mask: Mask | None = None
+    if rows.device.type == "cuda":
+        kernel_mask = _flex_split_mask(rows, document_ids, seq)
+    elif impl != "chunked":
+        keys = torch.arange(seq, device=rows.device)
+        kernel_mask = (keys[None, :] <= rows[:, None])[None]  # (1, local, seq)
+        if document_ids is not None:
+            kernel_mask = kernel_mask & (document_ids[:, rows, None] == document_ids[:, None, :])
+        kernel_mask = kernel_mask.unsqueeze(1)  # broadcast over heads
+    return SplitMask(rows, spans, gather, document_ids, kernel_mask)
+
+
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None, impl: str
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask | SplitMask | None,
+    impl: str,
 ) -> torch.Tensor:
     """Attention of q (batch, heads, seq, head_dim) with k, v (batch, kv_heads, seq, head_dim),
     heads a multiple of kv_heads: causal (mask None), or as `document_mask` built `mask`.
     `impl` is model.attention: 'sdpa' or 'chunked'."""
     gqa = q.shape[1] != k.shape[1]  # SDPA and flex broadcast the shared kv heads, no copies
+    if isinstance(mask, SplitMask):
+        return _split_attention(q, k, v, mask, impl)
     if isinstance(mask, BlockMask):
         flex, _ = _compiled_flex()
         return flex(q, k, v, block_mask=mask, enable_gqa=gqa)
@@ -100,24 +170,83 @@ def _flex_block_mask(document_ids: torch.Tensor) -> BlockMask:
     return block_mask(causal_same_document, batch, None, seq, seq, device=document_ids.device)
 
 
-def chunked_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+def _split_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SplitMask, impl: str
 ) -> torch.Tensor:
-    """Causal attention of q (batch, heads, seq, head_dim) with k, v (batch, kv_heads, seq,
-    head_dim); heads must be a multiple of kv_heads (grouped-query attention). With
-    `document_ids` (batch, seq), nondecreasing along the sequence, a query sees only the keys
-    of its own document."""
+    """This rank's queries against the whole sequence's keys and values (context parallel)."""
+    gqa = q.shape[1] != k.shape[1]
+    k, v = mask.gather(k), mask.gather(v)
+    if isinstance(mask.kernel_mask, BlockMask):
+        flex, _ = _compiled_flex()
+        return flex(q, k, v, block_mask=mask.kernel_mask, enable_gqa=gqa)
+    if impl == "chunked":
+        # Each run of consecutive rows is a causal chunk at its offset: it sees keys up to its
+        # own end, so the keys after it are never touched.
+        ids = mask.document_ids
+        return torch.cat(
+            [
+                chunked_causal_attention(
+                    q[:, :, a : a + n],
+                    k[:, :, : g + n],
+                    v[:, :, : g + n],
+                    None if ids is None else ids[:, : g + n],
+                    offset=g,
+                )
+                for a, g, n in mask.spans
+            ],
+            dim=2,
+        )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.kernel_mask, enable_gqa=gqa)
+
+
+def _flex_split_mask(rows: torch.Tensor, document_ids: torch.Tensor | None, seq: int) -> BlockMask:
+    """Local query q_idx is row rows[q_idx] of the whole sequence; kv_idx indexes the whole
+    sequence: causal (and same-document) over the whole sequence's positions."""
+
+    def causal(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        return kv_idx <= rows[q_idx]
+
+    def causal_same_document(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        row = rows[q_idx]
+        return (kv_idx <= row) & (document_ids[b, row] == document_ids[b, kv_idx])
+
+    _, block_mask = _compiled_flex()
+    if document_ids is None:
+        return block_mask(causal, None, None, len(rows), seq, device=rows.device)
+    batch = document_ids.shape[0]
+    return block_mask(causal_same_document, batch, None, len(rows), seq, device=rows.device)
+
+
+def chunked_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    document_ids: torch.Tensor | None = None,
+    offset: int = 0,
+) -> torch.Tensor:
+    """Causal attention of q (batch, heads, seq, head_dim) with k, v (batch, kv_heads,
+    offset + seq, head_dim): the queries are the last seq rows of the key sequence (offset > 0:
+    a later chunk of a sequence under context parallel, which sees every key before it). Heads
+    must be a multiple of kv_heads (grouped-query attention). With `document_ids` (batch,
+    offset + seq), nondecreasing along the sequence, a query sees only the keys of its own
+    document."""
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:  # each kv head serves n_rep query heads; autograd sums their gradients
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    return _attention(q, k, v, document_ids)
+    return _attention(q, k, v, document_ids, offset)
 
 
-def _blocks(n_heads: int, seq: int, group: int | None = None) -> list[tuple[slice, int, int]]:
+def _blocks(
+    n_heads: int, seq: int, keys: int, group: int | None = None
+) -> list[tuple[slice, int, int]]:
     """(heads, first query row, end query row) of every block, in order. `group`: heads per
     batch element, when no block may span two of them (their document masks differ)."""
     rows = min(seq, QUERY_ROWS)
-    heads = max(1, BLOCK_ELEMENTS // (rows * seq))
+    heads = max(1, BLOCK_ELEMENTS // (rows * keys))
     if group is None:
         chunks = [(h, h + heads) for h in range(0, n_heads, heads)]
     else:
@@ -132,32 +261,34 @@ def _blocks(n_heads: int, seq: int, group: int | None = None) -> list[tuple[slic
 
 
 def _masked_blocks(
-    q: torch.Tensor, document_ids: torch.Tensor | None
-) -> Iterator[tuple[slice, int, int, int, torch.Tensor]]:
-    """Every block as (heads, r0, r1, k0, additive mask): query rows [r0, r1) of those heads
-    (of the (batch * heads) flattened q) see at most keys [k0, r1), the mask (0 or -inf) says
-    which of them."""
+    q: torch.Tensor, document_ids: torch.Tensor | None, offset: int
+) -> Iterator[tuple[slice, int, int, int, int, torch.Tensor]]:
+    """Every block as (heads, r0, r1, k0, k1, additive mask): query rows [r0, r1) of those heads
+    (of the (batch * heads) flattened q), which are rows [offset + r0, k1 = offset + r1) of the
+    key sequence, see at most keys [k0, k1), the mask (0 or -inf) says which of them."""
     batch, n_heads, seq, _ = q.shape
-    causal = _causal_mask(seq, q)
+    keys = offset + seq
+    causal = _causal_mask(keys, q)
     if document_ids is None:
-        for heads, r0, r1 in _blocks(batch * n_heads, seq):
-            yield heads, r0, r1, 0, causal[r0:r1, :r1]
+        for heads, r0, r1 in _blocks(batch * n_heads, seq, keys):
+            yield heads, r0, r1, 0, offset + r1, causal[offset + r0 : offset + r1, : offset + r1]
         return
-    for heads, r0, r1 in _blocks(batch * n_heads, seq, group=n_heads):
+    for heads, r0, r1 in _blocks(batch * n_heads, seq, keys, group=n_heads):
         ids = document_ids[heads.start // n_heads]
+        g0, g1 = offset + r0, offset + r1  # the block's rows in the key sequence
         # Each document is one run of ids: the earliest a row of this block may see is the
         # first token of row r0's document. Earlier keys are skipped, not just masked.
-        k0 = int(torch.searchsorted(ids, ids[r0 : r0 + 1]))
-        other = ids[r0:r1, None] != ids[None, k0:r1]
-        yield heads, r0, r1, k0, causal[r0:r1, k0:r1].masked_fill(other, float("-inf"))
+        k0 = int(torch.searchsorted(ids, ids[g0 : g0 + 1]))
+        other = ids[g0:g1, None] != ids[None, k0:g1]
+        yield heads, r0, r1, k0, g1, causal[g0:g1, k0:g1].masked_fill(other, float("-inf"))
 
 
 def _probs(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, r0: int, r1: int, k0: int
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, r0: int, r1: int, k0: int, k1: int
 ) -> torch.Tensor:
-    """Softmax of the scores of query rows [r0, r1) over keys [k0, r1), `mask` added."""
+    """Softmax of the scores of query rows [r0, r1) over keys [k0, k1), `mask` added."""
     scale = q.shape[-1] ** -0.5
-    scores = torch.baddbmm(mask, q[:, r0:r1], k[:, k0:r1].transpose(1, 2), alpha=scale)
+    scores = torch.baddbmm(mask, q[:, r0:r1], k[:, k0:k1].transpose(1, 2), alpha=scale)
     return torch.softmax(scores, dim=-1)
 
 
@@ -171,15 +302,18 @@ def _causal_mask(seq: int, like: torch.Tensor) -> torch.Tensor:
 # As ops, compiled blocks fuse everything around attention and call these as they are.
 @torch.library.custom_op("fsdp2_trainer::chunked_attention", mutates_args=())
 def _attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    document_ids: torch.Tensor | None,
+    offset: int,
 ) -> torch.Tensor:
-    seq, head_dim = q.shape[-2:]
     # (batch * heads, seq, head_dim): one batch dimension for bmm.
-    q3, k3, v3 = (t.reshape(-1, seq, head_dim) for t in (q, k, v))
+    q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
     out = torch.empty_like(q3)
-    for heads, r0, r1, k0, mask in _masked_blocks(q, document_ids):
-        p = _probs(q3[heads], k3[heads], mask, r0, r1, k0)
-        out[heads, r0:r1] = torch.bmm(p, v3[heads, k0:r1])
+    for heads, r0, r1, k0, k1, mask in _masked_blocks(q, document_ids, offset):
+        p = _probs(q3[heads], k3[heads], mask, r0, r1, k0, k1)
+        out[heads, r0:r1] = torch.bmm(p, v3[heads, k0:k1])
     return out.view(q.shape)
 
 
@@ -191,30 +325,34 @@ def _attention_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     document_ids: torch.Tensor | None,
+    offset: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    seq, head_dim = q.shape[-2:]
-    scale = head_dim**-0.5
-    q3, k3, v3, out3, dout3 = (t.reshape(-1, seq, head_dim) for t in (q, k, v, out, dout))
+    scale = q.shape[-1] ** -0.5
+    q3, k3, v3, out3, dout3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v, out, dout))
     # rowsum(dout * out) = rowsum(p * dp): the softmax backward's correction term, summed
     # in at least fp32.
     acc = torch.promote_types(q.dtype, torch.float32)
     delta = (dout3.to(acc) * out3.to(acc)).sum(-1, keepdim=True).to(q.dtype)
     dq = torch.empty_like(q3)
     dk, dv = torch.zeros_like(k3), torch.zeros_like(v3)
-    for heads, r0, r1, k0, mask in _masked_blocks(q, document_ids):
+    for heads, r0, r1, k0, k1, mask in _masked_blocks(q, document_ids, offset):
         q_, k_, v_, do = q3[heads], k3[heads], v3[heads], dout3[heads, r0:r1]
-        p = _probs(q_, k_, mask, r0, r1, k0)
-        dv[heads, k0:r1].baddbmm_(p.transpose(1, 2), do)
-        ds = torch.bmm(do, v_[:, k0:r1].transpose(1, 2)).sub_(delta[heads, r0:r1]).mul_(p)
-        dq[heads, r0:r1] = torch.bmm(ds, k_[:, k0:r1]).mul_(scale)
-        dk[heads, k0:r1].baddbmm_(ds.transpose(1, 2), q_[:, r0:r1], alpha=scale)
+        p = _probs(q_, k_, mask, r0, r1, k0, k1)
+        dv[heads, k0:k1].baddbmm_(p.transpose(1, 2), do)
+        ds = torch.bmm(do, v_[:, k0:k1].transpose(1, 2)).sub_(delta[heads, r0:r1]).mul_(p)
+        dq[heads, r0:r1] = torch.bmm(ds, k_[:, k0:k1]).mul_(scale)
+        dk[heads, k0:k1].baddbmm_(ds.transpose(1, 2), q_[:, r0:r1], alpha=scale)
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 
 # Shapes for tracing: every output is a new contiguous tensor shaped like its input.
 @_attention.register_fake
 def _(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    document_ids: torch.Tensor | None,
+    offset: int,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
 
@@ -227,17 +365,19 @@ def _(
     v: torch.Tensor,
     out: torch.Tensor,
     document_ids: torch.Tensor | None,
+    offset: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _save_inputs_and_output(ctx: FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
-    ctx.save_for_backward(*inputs, output)
+    *tensors, ctx.offset = inputs
+    ctx.save_for_backward(*tensors, output)
 
 
 def _backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     q, k, v, document_ids, out = ctx.saved_tensors
-    return (*_attention_backward(dout, q, k, v, out, document_ids), None)
+    return (*_attention_backward(dout, q, k, v, out, document_ids, ctx.offset), None, None)
 
 
 _attention.register_autograd(_backward, setup_context=_save_inputs_and_output)

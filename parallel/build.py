@@ -15,6 +15,9 @@ why each step comes where it does:
    FSDP (which then shards the float8-aware weights). Without a mesh: only the decisions.
 3. Tensor parallel (tp > 1), then expert parallel (an expert mesh): on the model on meta,
    before AC, compile and FSDP, which wrap or shard the split modules and DTensors they leave.
+   Then context parallel (cp > 1): hooks around the root's forward, no module or parameter
+   changed, so nothing after it sees a difference; activation checkpointing's recompute gets
+   the split mask as a block input (parallel/cp.py).
 4. LoRA (after tensor parallel: its adapters take their placements from the split base
    weights; after float8: a float8 base keeps its float8 matmul) or train.freeze. Both before
    FSDP, which keeps frozen and trainable parameters in the same units.
@@ -39,6 +42,7 @@ from torch import nn
 from model import ModelFamily, StepTerms, step_terms
 from parallel.ac import apply_ac
 from parallel.compile import apply_compile
+from parallel.cp import apply_cp
 from parallel.ep import apply_ep
 from parallel.float8 import Float8Decision, apply_float8, float8_policy, precompute_float8_scales
 from parallel.freeze import apply_freeze
@@ -90,7 +94,7 @@ def build_model(
     expert_mesh: DeviceMesh | None = None,
 ) -> BuiltModel:
     """The model of `family` with `args`, built on meta and, given the (dp_replicate,
-    dp_shard, tp) `mesh` (and, for expert parallel, the expert mesh), parallelized as it will
+    dp_shard, cp, tp) `mesh` (and, for expert parallel, the expert mesh), parallelized as it will
     train, in the module docstring's order. Materialize it with `model.to_empty`."""
     import torch
 
@@ -114,6 +118,8 @@ def build_model(
         float8_comm = float8_comm and mesh.device_type == "cuda"
         apply_tp(model, family, mesh["tp"], float8_collectives=float8_comm)
     experts = apply_ep(model, family, expert_mesh) if expert_mesh is not None else None
+    if mesh is not None and mesh["cp"].size() > 1:
+        apply_cp(model, mesh["cp"])
     if job.lora.enabled:  # 4
         built.adapted = apply_lora(model, job.lora)
     if job.train.freeze:

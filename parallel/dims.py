@@ -26,6 +26,11 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree (with sequence parallel), the innermost mesh dimension: must
     divide the ranks per node, since its collectives run in every layer (fast links only)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks (2 chunks each, one early and
+    one late, for an even share of causal work), keys and values all-gathered per layer
+    (parallel/cp.py); 2 x cp must divide data.seq_len. The cp ranks are data-parallel for the
+    weights: FSDP shards over dp_shard x cp."""
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts families): the experts are split over groups
     of ep consecutive dp_shard ranks, tokens sent to them by all-to-all (parallel/ep.py)."""
@@ -62,7 +67,7 @@ class ParallelConfig:
                 f"parallel: dp_replicate={self.dp_replicate} and dp_shard={self.dp_shard} must "
                 "be >= 1, or -1 ('the remaining ranks') for at most one of them"
             )
-        for name in ("tp", "ep"):
+        for name in ("tp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.forward_prefetch < 0 or self.backward_prefetch < 0 or self.timeout_s < 1:
@@ -97,16 +102,21 @@ class LaunchEnv:
 def resolve_dims(cfg: ParallelConfig, env: LaunchEnv) -> tuple[int, int]:
     """Return (dp_replicate, dp_shard) for this launch, or raise ConfigError.
 
-    The data-parallel dims fill world_size / tp ranks; tp is checked first, against the ranks
-    of one node (tensor parallel never crosses nodes)."""
-    tp = cfg.tp
+    The data-parallel dims fill world_size / (cp x tp) ranks; tp is checked first, against the
+    ranks of one node (tensor parallel never crosses nodes)."""
+    tp, cp = cfg.tp, cfg.cp
     if env.local_world_size % tp != 0 or env.world_size % tp != 0:
         raise ConfigError(
             f"parallel: tp ({tp}) must divide the ranks per node ({env.local_world_size}, "
             f"world size {env.world_size} = {env.num_nodes} node(s) x {env.local_world_size}): "
             "tensor parallel stays inside a node"
         )
-    world = env.world_size // tp  # data-parallel ranks
+    if env.world_size % (tp * cp) != 0:
+        raise ConfigError(
+            f"parallel: cp ({cp}){f' x tp ({tp})' if tp > 1 else ''} must divide the world "
+            f"size ({env.world_size} ranks: {env.num_nodes} node(s) x {env.local_world_size})"
+        )
+    world = env.world_size // (tp * cp)  # data-parallel ranks
     if cfg.mesh == "auto":
         if env.local_world_size * env.num_nodes != env.world_size:
             raise ConfigError(
@@ -117,18 +127,23 @@ def resolve_dims(cfg: ParallelConfig, env: LaunchEnv) -> tuple[int, int]:
                 "parallel.mesh='manual'"
             )
         if env.num_nodes > 1:
-            return env.num_nodes, env.local_world_size // tp
+            if env.local_world_size % (tp * cp) != 0:
+                raise ConfigError(
+                    f"parallel.mesh='auto': cp ({cp}) x tp ({tp}) must divide the ranks per "
+                    f"node ({env.local_world_size}): a replica is one node"
+                )
+            return env.num_nodes, env.local_world_size // (tp * cp)
         return 1, world
     rep, shard = cfg.dp_replicate, cfg.dp_shard
     if shard == -1:
         shard = max(1, world // rep)
     if rep == -1:
         rep = max(1, world // shard)
-    if rep * shard * tp != env.world_size:
-        with_tp = f" x tp ({tp})" if tp > 1 else ""
+    if rep * shard * cp * tp != env.world_size:
+        more = (f" x cp ({cp})" if cp > 1 else "") + (f" x tp ({tp})" if tp > 1 else "")
         raise ConfigError(
             f"parallel: dp_replicate ({_show(cfg.dp_replicate, rep)}) x dp_shard "
-            f"({_show(cfg.dp_shard, shard)}){with_tp} = {rep * shard * tp} does not equal "
+            f"({_show(cfg.dp_shard, shard)}){more} = {rep * shard * cp * tp} does not equal "
             f"the world size ({env.world_size} ranks: {env.num_nodes} node(s) x "
             f"{env.local_world_size})"
         )

@@ -1,4 +1,4 @@
-"""Process group, device and the (dp_replicate, dp_shard, tp) DeviceMesh (a rank's life around
+"""Process group, device and the (dp_replicate, dp_shard, cp, tp) DeviceMesh (a rank's life around
 them, signals and locks, is in launch/lifecycle.py)."""
 
 from __future__ import annotations
@@ -55,28 +55,44 @@ def launched_by_torchrun() -> bool:
     return "MASTER_ADDR" in os.environ and "RANK" in os.environ
 
 
-def build_mesh(device: torch.device, dp_replicate: int, dp_shard: int, tp: int = 1) -> DeviceMesh:
-    """A 3D mesh (dp_replicate, dp_shard, tp). tp is innermost, so with torchrun's rank order a
-    tensor-parallel group is consecutive ranks of one node (its collectives run in every layer
-    and need the fastest links); then the ranks of one replica are contiguous, so a shard group
+def build_mesh(
+    device: torch.device, dp_replicate: int, dp_shard: int, tp: int = 1, cp: int = 1
+) -> DeviceMesh:
+    """A 4D mesh (dp_replicate, dp_shard, cp, tp), torchtitan's order. tp is innermost, so with
+    torchrun's rank order a tensor-parallel group is consecutive ranks of one node (its
+    collectives run in every layer and need the fastest links); cp next (it all-gathers keys
+    and values in every layer); then the ranks of one replica are contiguous, so a shard group
     lies inside a node where it can and only the gradient all-reduce crosses nodes: that is
     HSDP's point."""
     return init_device_mesh(
         device.type,
-        (dp_replicate, dp_shard, tp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        (dp_replicate, dp_shard, cp, tp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
     )
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh handed to fully_shard: 1D (FSDP) unless there are replicas (HSDP). With tensor
-    parallel it is a sub-mesh of the 3D mesh, so FSDP composes with the TP DTensors on it."""
-    if mesh["dp_replicate"].size() > 1:
+    parallel it is a sub-mesh of the 4D mesh, so FSDP composes with the TP DTensors on it.
+    Context parallel's ranks hold the same weights and see different tokens, exactly as
+    data-parallel ranks do: FSDP shards over dp_shard x cp (and reduces gradients over both),
+    a dimension made here (a new process group: every rank calls this at the same point)."""
+    replicas, cp = mesh["dp_replicate"].size(), mesh["cp"].size()
+    if cp > 1:
+        # The same ranks as (dp_replicate, dp_shard, cp, tp) with the two middle dims as one
+        # (cp is inner to dp_shard, so merging them keeps torchrun's rank order), built as a
+        # mesh of its own: public API, where torchtitan flattens with DeviceMesh._flatten.
+        shape = (replicas, mesh["dp_shard"].size() * cp, mesh["tp"].size())
+        names = ("dp_replicate", "dp_shard_cp", "tp")
+        merged = init_device_mesh(mesh.device_type, shape, mesh_dim_names=names)
+        return merged["dp_replicate", "dp_shard_cp"] if replicas > 1 else merged["dp_shard_cp"]
+    if replicas > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
 
 
 def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
-    """This rank's index among all data-parallel ranks, replicas included."""
+    """This rank's index among all data-parallel ranks, replicas included. The cp ranks of one
+    dp rank share its index: they split the same sequences (parallel/cp.py)."""
     rep, shard = mesh["dp_replicate"], mesh["dp_shard"]
     return rep.get_local_rank() * shard.size() + shard.get_local_rank(), rep.size() * shard.size()

@@ -155,13 +155,16 @@ def test_custom_op_registration_is_consistent():
     """opcheck: schema, fake (meta) shapes and autograd registration agree with the kernels."""
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 24, 8, generator=gen, requires_grad=True) for _ in "qkv")
-    torch.library.opcheck(attention._attention, (q, k, v, None))
+    torch.library.opcheck(attention._attention, (q, k, v, None, 0))
     # No double backward: the backward op is checked on inputs that do not require grad.
     q, k, v = (t.detach() for t in (q, k, v))
-    out = attention._attention(q, k, v, None)
+    out = attention._attention(q, k, v, None, 0)
     dout = torch.randn_like(out)
-    torch.library.opcheck(attention._attention_backward, (dout, q, k, v, out, None))
+    torch.library.opcheck(attention._attention_backward, (dout, q, k, v, out, None, 0))
     ids = document_ids(torch.randint(0, 4, (1, 24), generator=gen), eos_id=0)
-    torch.library.opcheck(attention._attention, (q.requires_grad_(), k, v, ids))
-    out = attention._attention(q.detach(), k, v, ids)
-    torch.library.opcheck(attention._attention_backward, (dout, q.detach(), k, v, out, ids))
+    torch.library.opcheck(attention._attention, (q.requires_grad_(), k, v, ids, 0))
+    out = attention._attention(q.detach(), k, v, ids, 0)
+    torch.library.opcheck(attention._attention_backward, (dout, q.detach(), k, v, out, ids, 0))
+    # Context parallel's later chunk: the last 8 queries over all 24 keys.
+    late = q.detach()[:, :, 16:].requires_grad_()
+    torch.library.opcheck(attention._attention, (late, k, v, ids, 16))

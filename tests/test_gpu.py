@@ -135,6 +135,36 @@ def test_flex_document_attention_matches_sdpa_with_the_same_mask(dtype: torch.dt
 
 
 @needs_gpu
+@pytest.mark.parametrize("documents", [False, True])
+def test_flex_attention_under_context_parallel_gives_the_rows_of_the_whole(documents: bool) -> None:
+    """Context parallel on CUDA: FlexAttention with the mask_mod over whole-sequence rows
+    (model/attention.py `_flex_split_mask`), each of 2 ranks' queries against the whole K/V,
+    gives its rows of whole-sequence attention and the gradients add up (one GPU: the gather
+    is faked, as tests/test_cp.py does on CPU with SDPA and the chunked kernel)."""
+    from tests.test_cp import check_split_attention
+
+    check_split_attention("cuda", "sdpa", documents, torch.float32)
+
+
+@needs_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallel needs 2 GPUs")
+def test_context_parallel_trains_on_two_gpus(short_docs: str, tmp_path: Path) -> None:
+    """cp 2 on 2 GPUs with NCCL, document-masked (FlexAttention under the split mask): the fp32
+    losses of one GPU."""
+    from tests.test_train import FP32, assert_close
+
+    argv = [
+        f"--data.path={short_docs}", f"--run.output_dir={tmp_path}", *TINY, *FP32,
+        "--model.vocab_size=260", "--parallel.device=cuda", "--train.steps=4",
+        "--train.micro_batch_size=8", "--data.attention_mask=document",
+        "--data.document_positions=true",
+    ]  # fmt: skip
+    one = run_distributed(train_losses, 1, [*argv, "--run.name=one"])[0]
+    split = run_distributed(train_losses, 2, [*argv, "--run.name=cp", "--parallel.cp=2"])[0]
+    assert_close(split, one, rtol=1e-4)
+
+
+@needs_gpu
 def test_document_masking_trains_compiled_on_one_gpu(tiny_dataset: str, tmp_path: Path) -> None:
     """data.attention_mask=document on CUDA (FlexAttention, its BlockMask through FSDP's hooks
     and into compiled blocks with op-level AC): the losses of the eager run, and falling."""
