@@ -445,9 +445,12 @@ MANIFEST_WHY = {
     "checkpoint",
 }
 # The quick tier takes the damage only the content check finds (its size is right), and the
-# issue's COMPLETE that is not JSON; the full suite every kind.
+# issue's COMPLETE that is not JSON; the full suite adds a truncated shard. Every other kind is
+# found by the same file checks before any process group (check_files), which the launcher's
+# check below runs in this process for every kind: a trainer run per kind would add minutes
+# and test nothing those runs do not.
 QUICK = ("flipped-byte", "manifest-not-json")
-DAMAGE_KINDS = [k if k in QUICK else pytest.param(k, marks=pytest.mark.slow) for k in DAMAGE]
+RUN_KINDS = [*QUICK, pytest.param("truncated-distcp", marks=pytest.mark.slow)]
 
 
 def copy_checkpoints(out: Path, name: str) -> Path:
@@ -497,7 +500,31 @@ def test_a_file_gone_with_its_manifest_entry_is_missing(
         check_files(step)
 
 
-@pytest.mark.parametrize("kind", DAMAGE_KINDS)
+@pytest.mark.parametrize("kind", [k for k in DAMAGE if k != "flipped-byte"])
+def test_the_checks_skip_a_damaged_newest_checkpoint_by_name(
+    sync_run: tuple[list, Path], tiny_dataset: str, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """resume=auto, checked as every rank checks it before any collective: each kind of damage
+    the file checks find is skipped with one warning that names the file, and the run resumes
+    step 4. The flipped byte is found only by the checksums, after the process group (the
+    trainer runs below)."""
+    _, out = sync_run
+    name = f"checked-{kind}"
+    folder = copy_checkpoints(out, name)
+    file, damage = DAMAGE[kind]
+    damage(folder / "step-8" / file)
+    with caplog.at_level(logging.WARNING):
+        plan = check_config(
+            parse(argv(tiny_dataset, out, name, *SAVE_EVERY_4)), LaunchEnv(0, 0, 2, 2, 1)
+        )
+    assert plan.resume is not None and plan.resume.path == folder / "step-4"
+    [warning] = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert warning.startswith(
+        f"checkpoint: skipping damaged {folder / 'step-8'}: {folder / 'step-8' / file} "
+    ), warning
+
+
+@pytest.mark.parametrize("kind", RUN_KINDS)
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     sync_run: tuple[list, Path], tiny_dataset: str, tmp_path: Path, kind: str
 ) -> None:
@@ -533,14 +560,14 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     assert_intact(folder / "step-8")
 
 
-@pytest.mark.parametrize("kind", DAMAGE_KINDS)
+@pytest.mark.parametrize("kind", list(DAMAGE))
 def test_damaged_explicit_checkpoint_is_one_config_error(
     sync_run: tuple[list, Path], tiny_dataset: str, kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """checkpoint.resume=<damaged path> is never replaced by another: exit 2, one line naming
-    the file, no traceback (the flipped byte is found after the process group exists). The
-    launchers' check (launch.check) finds it first, before any rank exists, so torchrun never
-    restarts a job for it."""
+    the file, no traceback (train.py run for a damage found after the process group exists,
+    the flipped byte, and one found before it). The launchers' check (launch.check) finds every
+    kind first, before any rank exists, so torchrun never restarts a job for it."""
     _, out = sync_run
     damaged = out / f"explicit-{kind}" / "step-8"
     shutil.copytree(ckpt(out, "sync", 8), damaged)
@@ -548,12 +575,13 @@ def test_damaged_explicit_checkpoint_is_one_config_error(
     damage(damaged / file)
 
     args = argv(tiny_dataset, out, f"explicit-{kind}-run", "--train.steps=9")
-    result = train_py([*args, f"--checkpoint.resume={damaged}"])
-    assert result.returncode == 2, result.stderr[-3000:]
-    [error] = lines_with(result.stderr, "ERROR")
-    assert f"config error: checkpoint.resume: {damaged / file} " in error
-    assert "the checkpoint is damaged" in error
-    assert "Traceback" not in result.stderr
+    if kind in ("flipped-byte", "truncated-distcp"):  # after and before the process group
+        result = train_py([*args, f"--checkpoint.resume={damaged}"])
+        assert result.returncode == 2, result.stderr[-3000:]
+        [error] = lines_with(result.stderr, "ERROR")
+        assert f"config error: checkpoint.resume: {damaged / file} " in error
+        assert "the checkpoint is damaged" in error
+        assert "Traceback" not in result.stderr
 
     # The launchers' check (one process, before any rank): the same line, for every kind.
     caplog.clear()

@@ -22,7 +22,7 @@ from tests.test_train import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = f"{sys.executable} -m torch.distributed.run"
-HSDP_2X2 = "mesh DeviceMesh((dp_replicate=2, dp_shard=2, tp=1)"
+HSDP_2X2 = "mesh DeviceMesh((dp_replicate=2, dp_shard=2, cp=1, tp=1)"
 # The environment's bin/ first on PATH, as after `source .venv/bin/activate`: the launchers find
 # torchrun and python there.
 ENV = os.environ | {
@@ -727,7 +727,7 @@ def test_sbatch_hsdp_two_nodes_trains_checkpoints_and_resumes(
                  cwd=tmp_path, script=str(ROOT / "launch" / "hsdp.sbatch"))  # fmt: skip
     resumed = RESUMING.search(log)
     assert resumed and resumed.group(2) == "4", log[-4000:]
-    assert "mesh DeviceMesh((dp_replicate=2, dp_shard=1, tp=2)" in log, log[-4000:]
+    assert "mesh DeviceMesh((dp_replicate=2, dp_shard=1, cp=1, tp=2)" in log, log[-4000:]
     assert step_logged(6, log) and (tmp_path / "debug" / "checkpoints" / "step-6").exists()
 
 
