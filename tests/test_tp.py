@@ -138,8 +138,11 @@ def grads_after_one_step(
     return {"norm": norm.item(), "grads": grads}
 
 
+# One family each for the clipping and the compiled-TP gradients: both test mechanics that no
+# family changes (the norm's reduction over placements, workaround 1's embedding output); each
+# family's TP plan has its own parity test in tests/test_families.py.
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen3"])
 def test_grad_norm_and_clipping_on_3d_mesh_equal_one_process(family: str) -> None:
     """DTensor gradients on (dp_replicate 2, dp_shard 2, tp 2): the same norm as 1 process,
     and the same clipped gradients (placements on all three dims reduce correctly)."""
@@ -154,7 +157,7 @@ def test_grad_norm_and_clipping_on_3d_mesh_equal_one_process(family: str) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3"])
 def test_compiled_tp_gradients_equal_one_process(family: str) -> None:
     """Compiled blocks at tp 2: every gradient as 1 process, the embedding's included (on torch
     2.13 it came back zero while the block received the embedding's async output; see
