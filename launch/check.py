@@ -238,14 +238,11 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     """`train.py --dry-run`: the resolved config and the run's memory and communication plan,
     printed; nothing is trained and no data is needed."""
     shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
-    # Context parallel, as far as the planner knows it: FSDP over dp_shard x cp, 1/cp of each
-    # sequence per rank. The gathered keys and values and their all-gathers are not counted.
-    shard, seq_len = plan.dp_shard * plan.cp, job.data.seq_len // plan.cp
     mem = plan_memory(
         shape,
-        shard,
+        plan.dp_shard,
         job.train.micro_batch_size,
-        seq_len,
+        job.data.seq_len,
         job.parallel.param_dtype,
         job.ac.mode,
         job.ac.every,
@@ -254,21 +251,23 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         compiled_loss=job.compile.enabled and job.compile.loss and job.parallel.tp == 1,
         tp=plan.tp,
         ep=plan.ep,
+        cp=plan.cp,
     )
     comm = plan_communication(
         shape,
         plan.dp_replicate,
-        shard,
+        plan.dp_shard,
         job.parallel.param_dtype,
         job.parallel.reduce_dtype,
         reshard_after_forward=job.parallel.reshard_after_forward,
         grad_accum_steps=plan.grad_accum_steps,
         cpu_offload=job.parallel.cpu_offload,
         tp=plan.tp,
-        tokens=job.train.micro_batch_size * seq_len,
+        tokens=job.train.micro_batch_size * job.data.seq_len,
         ac_mode=job.ac.mode,
         ac_every=job.ac.every,
         ep=plan.ep,
+        cp=plan.cp,
     )
     print(config_to_toml(job))
     print(

@@ -1,6 +1,6 @@
 """The planner's formulas: memory per rank and bytes sent per step on each mesh dimension, for
-any (dp_replicate, dp_shard, tp) mesh, read from the model built on meta. `python -m launch.plan`
-(before renting the cluster) and `train.py --dry-run` print them.
+any (dp_replicate, dp_shard, cp, tp) mesh, read from the model built on meta. `python -m
+launch.plan` (before renting the cluster) and `train.py --dry-run` print them.
 
 Counting follows this trainer exactly (tests/test_plan.py checks it against the collectives of a
 real run within 1%):
@@ -44,6 +44,15 @@ real run within 1%):
   expert_shard = dp_shard / ep in a unit of their own: gathered and reduce-scattered there
   (n_experts / ep experts when gathered), all-reduced over dp_replicate with the rest, and
   four all-to-alls of the routed rows per MoE layer and micro-batch (`_ep_communication`).
+- Context parallel (cp > 1, parallel/cp.py): each rank holds micro-batch x seq_len / cp
+  tokens, so activations and logits divide by cp, except the whole sequence's keys and values
+  that attention gathers and keeps for backward (2·cp·kv_dim per local token and block in
+  place of 2·kv_dim). FSDP shards and reduces over dp_shard x cp (reported as dp_shard). Per
+  layer and micro-batch, forward all-gathers K and V over cp in param_dtype, backward
+  reduce-scatters their gradients, and a checkpointed block's recompute gathers them again
+  (full, selective and op AC alike: the gathered K/V are not among op AC's saved outputs)
+  (`_cp_communication`). The all-gather of the document ids under document masking (8 bytes
+  a token per forward) is left out.
 """
 
 from __future__ import annotations
@@ -282,12 +291,15 @@ def plan_communication(
     ac_mode: AcMode = "none",
     ac_every: int = 1,
     ep: int = 1,
+    cp: int = 1,
 ) -> dict[str, dict[str, float]]:
-    """Bytes each rank sends per optimizer step: {mesh dim: {collective: bytes}}. With tp > 1
-    or ep > 1, `tokens` (micro-batch x seq_len) sizes the activations they move. Under expert
-    parallel the expert weights are gathered and reduced over expert_shard (dp_shard / ep)."""
+    """Bytes each rank sends per optimizer step: {mesh dim: {collective: bytes}}. With tp, ep
+    or cp > 1, `tokens` (micro-batch x seq_len, whole sequences) sizes the activations they
+    move. Under expert parallel the expert weights are gathered and reduced over expert_shard
+    (dp_shard / ep). Under context parallel FSDP's group is dp_shard x cp ("dp_shard")."""
     units = shape.units
-    s, r, e = dp_shard, dp_replicate, dp_shard // ep
+    tokens //= cp  # each cp rank holds 1/cp of every sequence
+    s, r, e = dp_shard * cp, dp_replicate, dp_shard // ep
     pbytes, rbytes = BYTES[param_dtype], BYTES[reduce_dtype]
     resharded = reshard_plan(len(units) - 1, reshard_after_forward, s, cpu_offload)
     # With no unit resharded, the loop keeps them gathered across micro-batches too.
@@ -329,7 +341,36 @@ def plan_communication(
         comm["ep"] = _ep_communication(
             shape, ep, tokens, param_dtype, ac_mode, ac_every, grad_accum_steps
         )
+    if cp > 1:
+        comm["cp"] = _cp_communication(
+            shape, cp, tokens, param_dtype, ac_mode, ac_every, grad_accum_steps
+        )
     return comm
+
+
+def _cp_communication(
+    shape: ModelShape,
+    cp: int,
+    tokens: int,
+    param_dtype: str,
+    ac_mode: AcMode,
+    ac_every: int,
+    micro_batches: int,
+) -> dict[str, float]:
+    """Bytes context parallel's K/V collectives send per rank and step (parallel/cp.py), for
+    `tokens` per rank and micro-batch. Every layer all-gathers its keys and values (each
+    (batch, kv_heads, seq/cp, head_dim) per rank) in forward: (cp-1) x that each; a layer
+    backward runs through reduce-scatters their gradients (cp x that in, (cp-1)/cp of it out:
+    the same bytes); a checkpointed block's recompute runs the gathers again."""
+    n, n_backward = shape.n_layers, shape.n_backward_blocks()
+    recomputed = {"full": n_backward, "op": n_backward}.get(ac_mode, 0)
+    if ac_mode == "selective":  # blocks 0, every, 2 x every, ... that backward runs through
+        recomputed = sum(u.backward for u in shape.units[:-1][::ac_every])
+    kv = (cp - 1) * tokens * shape.kv_dim * BYTES[param_dtype]
+    return {
+        "all_gather": micro_batches * 2 * (n + recomputed) * kv,
+        "reduce_scatter": micro_batches * 2 * n_backward * kv,
+    }
 
 
 def _ep_communication(
@@ -393,6 +434,7 @@ def activation_bytes(
     ac_every: int = 1,
     recompute: bool = True,
     tp: int = 1,
+    cp: int = 1,
 ) -> float:
     """Activations kept for backward per rank, from what this model's ops save; with
     `recompute`, plus the block being recomputed in backward (the peak under AC).
@@ -407,11 +449,15 @@ def activation_bytes(
     with its input and output (2·dim) and the expert's hidden tensors (4·ffn_hidden; op-level
     AC: 2·ffn_hidden + dim, the grouped GEMM outputs), and the router's ~3·n_experts; every tp
     rank runs the whole MoE layer, so that part does not divide by tp.
+    Context parallel (`tokens` are this rank's): attention keeps the keys and values of the
+    whole sequence, gathered (2·cp·kv_dim per local token in place of 2·kv_dim); op-level AC
+    does not keep them (a concatenation's output), it gathers them again.
     """
     d, kv, h, k = shape.dim, shape.kv_dim, shape.ffn_hidden, shape.top_k
     gathered = 2 * d * (1 - 1 / tp)
     ffn, routed = (0, k * (2 * d + 4 * h) + 3 * shape.n_experts) if k else (4 * h, 0)
-    full_block = tokens * ((10 * d + 4 * kv + ffn) / tp + routed + gathered) * BYTES[param_dtype]
+    kv_kept = 2 * kv + 2 * cp * kv  # K and V projected, then attention's (whole-sequence) K, V
+    full_block = tokens * ((10 * d + kv_kept + ffn) / tp + routed + gathered) * BYTES[param_dtype]
     block_input = tokens * d / tp * BYTES[param_dtype]
     n = shape.n_backward_blocks()  # a block backward skips keeps nothing
     if n == 0:
@@ -440,8 +486,11 @@ def plan_memory(
     compiled_loss: bool = False,
     tp: int = 1,
     ep: int = 1,
+    cp: int = 1,
 ) -> dict[str, float]:
     """Bytes per rank: the sharded fp32 training state, gathered parameters and activations.
+    `seq_len` is the whole sequence; under context parallel a rank holds 1/cp of it and the
+    state shards over dp_shard x cp.
 
     Master weights, gradients and AdamW's two moments (plus a 4-byte step per tensor) are
     float32, sharded over dp_shard (HSDP replicas each hold their shard group's state) and,
@@ -450,11 +499,12 @@ def plan_memory(
     parameters that train. A gathered block holds its n_experts / ep experts.
     """
     units = shape.units
+    dp_shard *= cp  # FSDP's group: dp_shard x cp (parallel/runtime.py dp_mesh)
     shard = sum(u.shard_numel(dp_shard, tp=tp, ep=ep) for u in units)
     trained = sum(u.shard_numel(dp_shard, tp=tp, trainable_only=True, ep=ep) for u in units)
     n_tensors = sum(sum(u._trains()) for u in units)
     pbytes = BYTES[param_dtype]
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len // cp
     root, block = units[-1].tp_numel(tp), units[0].tp_numel(tp, ep)
     # The root stays gathered all step; one block computes while the next is prefetched
     # (a block not resharded after forward stays gathered until its backward).
@@ -466,7 +516,9 @@ def plan_memory(
         "grads": 4 * trained,
         "optimizer": 8 * trained + 4 * n_tensors,
         "gathered_params": (root + gathered_blocks * block) * pbytes,
-        "activations": activation_bytes(shape, tokens, param_dtype, ac_mode, ac_every, tp=tp),
+        "activations": activation_bytes(
+            shape, tokens, param_dtype, ac_mode, ac_every, tp=tp, cp=cp
+        ),
         # Logits in compute dtype and, at the loss's peak, their gradient: in compute dtype when
         # the loss is compiled (compile.loss); eager adds a float32 copy, the float32
         # log-softmax kept for backward and a float32 gradient (measured: bench/loss.py). With

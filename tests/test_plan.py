@@ -49,13 +49,20 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
     (mesh dim, collective) and its sharded state right after optimizer.step()."""
     import torch.distributed as dist
 
+    import parallel.build
     import train
+    from parallel import cp
     from tests.test_train import train_losses
 
     captured: dict[str, Any] = {}
     sent: dict[tuple[str, str], float] = {}
     build_mesh, build_optimizer = train.build_mesh, train.build_optimizer
     build_expert_mesh = train.build_expert_mesh
+    dp_mesh = parallel.build.dp_mesh
+
+    def dp_mesh_spy(mesh: Any) -> Any:  # FSDP's mesh: with cp, dp_shard x cp made anew
+        captured["dp_mesh"] = dp_mesh(mesh)
+        return captured["dp_mesh"]
 
     def mesh_spy(*args: Any) -> Any:
         captured["mesh"] = build_mesh(*args)
@@ -80,7 +87,13 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
         return opt
 
     def dim_of(group: Any) -> str:
+        # FSDP's own mesh first: under cp it is made anew, with dp_shard x cp as one dim.
+        fsdp = captured["dp_mesh"]
+        for i, name in enumerate(fsdp.mesh_dim_names or ()):
+            if group is not None and group == fsdp.get_group(i):
+                return "dp_shard" if name == "dp_shard_cp" else name
         meshes = {"dp_shard": captured["mesh"], "dp_replicate": captured["mesh"]}
+        meshes["cp"] = captured["mesh"]
         if "expert_mesh" in captured:  # expert parallel: the experts' own mesh
             expert_mesh = captured["expert_mesh"]
             meshes |= {"expert_shard": expert_mesh, "ep": expert_mesh}
@@ -116,8 +129,13 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
 
     train.build_mesh, train.build_optimizer = mesh_spy, optimizer_spy
     train.build_expert_mesh = expert_mesh_spy
+    parallel.build.dp_mesh = dp_mesh_spy
     for name in originals:
         setattr(dist, name, spy(name))
+    # parallel/cp.py picked its collectives (torch 2.13's names or the older ones) at import.
+    cp_collectives = {"_all_gather": cp._all_gather, "_reduce_scatter": cp._reduce_scatter}
+    for attr, fn in cp_collectives.items():
+        setattr(cp, attr, getattr(dist, fn.__name__))
     try:
         train_losses(argv)
     finally:
@@ -125,6 +143,9 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
             setattr(dist, name, fn)
         train.build_mesh, train.build_optimizer = build_mesh, build_optimizer
         train.build_expert_mesh = build_expert_mesh
+        parallel.build.dp_mesh = dp_mesh
+        for attr, fn in cp_collectives.items():
+            setattr(cp, attr, fn)
     return {"sent": sent, "state": captured["state"]}
 
 
@@ -171,6 +192,21 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
             id="hsdp-ep2-full-ac",
             marks=pytest.mark.slow,
         ),  # fmt: skip
+        # Context parallel: FSDP over dp_shard 2 x cp 2, K/V all-gathered in every layer
+        # (global batch 4: 2 micro-batches on the 2 dp ranks, as in the other cases).
+        pytest.param(
+            1,
+            ["--parallel.cp=2", "--train.global_batch_size=4"],
+            id="fsdp-cp2",
+            marks=pytest.mark.slow,
+        ),
+        # Full AC: the recompute gathers K/V again.
+        pytest.param(
+            2,
+            ["--parallel.cp=2", "--train.global_batch_size=4", "--ac.mode=full"],
+            id="hsdp-cp2-full-ac",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_planner_matches_instrumented_collectives(
@@ -199,11 +235,12 @@ def test_planner_matches_instrumented_collectives(
     job = parse_config(JobConfig, argv)
     family = get_family(job.model.name)
     shape = model_shape(family, family.build_args(job.model), job.fp8, job.lora, job.train.freeze)
-    rep, shard, p = nodes, 4 // nodes, job.parallel
+    p = job.parallel
+    rep, shard = nodes, 4 // nodes // p.cp
     planned = plan_communication(
         shape, rep, shard, p.param_dtype, p.reduce_dtype,
         reshard_after_forward=p.reshard_after_forward, grad_accum_steps=2,
-        tokens=job.data.seq_len, ac_mode=job.ac.mode, ep=p.ep,
+        tokens=job.data.seq_len, ac_mode=job.ac.mode, ac_every=job.ac.every, ep=p.ep, cp=p.cp,
     )  # fmt: skip
     for dim, collectives in planned.items():
         for collective, expected in collectives.items():
@@ -212,7 +249,7 @@ def test_planner_matches_instrumented_collectives(
                 measured = [sum(measured) / len(measured)]
             for value in measured:
                 assert value == pytest.approx(expected, rel=0.01), (dim, collective, results)
-    mem = plan_memory(shape, shard, 1, job.data.seq_len, p.param_dtype, ep=p.ep)
+    mem = plan_memory(shape, shard, 1, job.data.seq_len, p.param_dtype, ep=p.ep, cp=p.cp)
     for result in results:
         for key, measured in result["state"].items():
             assert measured == pytest.approx(mem[key], rel=0.10), (key, result["state"], mem)
