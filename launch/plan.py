@@ -1,12 +1,15 @@
-"""Memory and communication per GPU for FSDP, HSDP and FSDP + TP, before renting the cluster.
+"""Memory and communication per GPU for FSDP, HSDP, FSDP + TP and FSDP + CP, before renting the
+cluster.
 
     python -m launch.plan --model 8B --nodes 16 --gpus-per-node 8 --seq-len 8192 --ac full
     python -m launch.plan --model 70B --nodes 2 --lora-rank 16      # a LoRA fine-tune
     python -m launch.plan --family qwen3_moe --model 30B-A3B --nodes 2 --ep 8 --ac full
+    python -m launch.plan --model 8B --seq-len 131072 --tp --cp 2 4 8 --ac full  # long context
 
 Prints, for FSDP (dp_shard = all GPUs), HSDP (dp_shard = GPUs per node), FSDP with tensor
-parallel inside each node and (a mixture of experts) FSDP with expert parallel inside each node
-side by side, the per-GPU memory and the bytes each GPU sends per
+parallel inside each node, FSDP over dp_shard x cp with context parallel inside each node (cp
+splits every sequence; it does not combine with tp yet) and (a mixture of experts) FSDP with
+expert parallel inside each node side by side, the per-GPU memory and the bytes each GPU sends per
 optimizer step on each mesh dimension, which plan fits in `--gpu-mem` and which communicates
 faster with the given bandwidths. `train.py --dry-run` prints the same table for the configured
 run. The formulas, and how they follow this trainer, are in parallel/plan.py.
@@ -26,11 +29,11 @@ def comm_seconds(
     comm: dict[str, dict[str, float]], shard_bw: float, replicate_bw: float, tp_bw: float = 1.0
 ) -> float:
     """Communication time if nothing overlaps, bandwidths in bytes/s per GPU (tp_bw: inside
-    a node, where tensor parallel and expert parallel's all-to-alls stay; the experts'
-    expert_shard group spans the nodes like dp_shard)."""
+    a node, where tensor parallel, context parallel's K/V collectives and expert parallel's
+    all-to-alls stay; the experts' expert_shard group spans the nodes like dp_shard)."""
     shard = sum(comm["dp_shard"].values()) / shard_bw
     shard += sum(comm.get("expert_shard", {}).values()) / shard_bw
-    inside = sum(comm.get("tp", {}).values()) + sum(comm.get("ep", {}).values())
+    inside = sum(sum(comm.get(dim, {}).values()) for dim in ("tp", "cp", "ep"))
     return shard + sum(comm["dp_replicate"].values()) / replicate_bw + inside / tp_bw
 
 
@@ -58,12 +61,14 @@ def format_plan(
         ("tp", "all_gather"),
         ("tp", "reduce_scatter"),
         ("tp", "all_reduce"),
+        ("cp", "all_gather"),
+        ("cp", "reduce_scatter"),
         ("expert_shard", "all_gather"),
         ("expert_shard", "reduce_scatter"),
         ("ep", "all_to_all"),
     ):
         if not any(dim in comm for _, comm in columns.values()):
-            continue  # expert parallel's rows, for a column that has it
+            continue  # cp's and expert parallel's rows, for a column that has them
         row = "".join(_size(comm.get(dim, {}).get(coll, 0)) for _, comm in columns.values())
         lines.append(f"  {f'sent/step: {dim} {coll}':<{width}}" + row)
     return lines
@@ -88,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter-bw", type=float, default=50, help="GB/s per GPU across nodes")
     p.add_argument("--gpu-mem", type=float, default=80, help="GB per GPU")
     p.add_argument("--tp", type=int, nargs="*", default=[8], help="TP degrees to compare")
+    p.add_argument("--cp", type=int, nargs="*", default=[], help="context-parallel degrees to "
+                   "compare (FSDP over dp_shard x cp, cp inside a node)")  # fmt: skip
     p.add_argument("--ep", type=int, nargs="*", default=[], help="EP degrees to compare "
                    "(mixture of experts: FSDP over all GPUs, EP inside a node)")  # fmt: skip
     p.add_argument("--freeze", nargs="*", default=[], help="train.freeze patterns")
@@ -99,33 +106,39 @@ def main(argv: list[str] | None = None) -> int:
     lora = LoRAConfig(enabled=True, rank=a.lora_rank) if a.lora_rank > 0 else None
     shape = model_shape(family, args, Float8Config(enabled=a.fp8), lora, a.freeze)
     world = a.nodes * a.gpus_per_node
-    meshes = {
-        f"FSDP 1x{world}": (1, world, 1, 1),
-        f"HSDP {a.nodes}x{a.gpus_per_node}": (a.nodes, a.gpus_per_node, 1, 1),
+    meshes = {  # name: (dp_replicate, dp_shard, tp, ep, cp)
+        f"FSDP 1x{world}": (1, world, 1, 1, 1),
+        f"HSDP {a.nodes}x{a.gpus_per_node}": (a.nodes, a.gpus_per_node, 1, 1, 1),
     }
     # Tensor parallel inside a node, FSDP over the rest (one shard group per node's tp slice
     # spans all nodes: the model state shards over nodes x gpus / tp).
     for tp in a.tp:
         if tp > 1 and a.gpus_per_node % tp == 0:
-            meshes[f"FSDP 1x{world // tp} TP{tp}"] = (1, world // tp, tp, 1)
+            meshes[f"FSDP 1x{world // tp} TP{tp}"] = (1, world // tp, tp, 1, 1)
     # Expert parallel: groups of ep GPUs of one node inside FSDP over all of them.
     for ep in a.ep if shape.top_k else []:
         if ep > 1 and a.gpus_per_node % ep == 0 and shape.n_experts % ep == 0:
-            meshes[f"FSDP 1x{world} EP{ep}"] = (1, world, 1, ep)
+            meshes[f"FSDP 1x{world} EP{ep}"] = (1, world, 1, ep, 1)
+    # Context parallel: groups of cp GPUs of one node split each sequence (2 x cp chunks);
+    # FSDP shards over all GPUs (dp_shard x cp), as train.py's dp_mesh does.
+    for cp in a.cp:
+        if cp > 1 and a.gpus_per_node % cp == 0 and a.seq_len % (2 * cp) == 0:
+            meshes[f"FSDP 1x{world // cp} CP{cp}"] = (1, world // cp, 1, 1, cp)
     columns, seconds = {}, {}
-    for name, (rep, shard, tp, ep) in meshes.items():
+    for name, (rep, shard, tp, ep, cp) in meshes.items():
         mem = plan_memory(
             shape, shard, a.batch, a.seq_len, a.param_dtype, a.ac, a.ac_every, a.reshard, tp=tp,
-            ep=ep,
+            ep=ep, cp=cp,
         )  # fmt: skip
-        # The same global batch: tp ranks share their sequences, so tp x the accumulation.
+        # The same global batch: tp (cp) ranks share their sequences, so tp (cp) x the
+        # accumulation.
         comm = plan_communication(
-            shape, rep, shard, a.param_dtype, a.reduce_dtype, a.reshard, a.grad_accum * tp,
-            tp=tp, tokens=a.batch * a.seq_len, ac_mode=a.ac, ac_every=a.ac_every, ep=ep,
+            shape, rep, shard, a.param_dtype, a.reduce_dtype, a.reshard, a.grad_accum * tp * cp,
+            tp=tp, tokens=a.batch * a.seq_len, ac_mode=a.ac, ac_every=a.ac_every, ep=ep, cp=cp,
         )  # fmt: skip
         columns[name] = (mem, comm)
         # A shard group within one node talks over NVLink; spanning nodes, the slow link rules.
-        shard_bw = a.intra_bw if shard * tp <= a.gpus_per_node else a.inter_bw
+        shard_bw = a.intra_bw if shard * tp * cp <= a.gpus_per_node else a.inter_bw
         seconds[name] = comm_seconds(comm, shard_bw * 1e9, a.inter_bw * 1e9, a.intra_bw * 1e9)
     n_params, n_trained = shape.numel(), shape.numel(trainable_only=True)
     trains = f", {n_trained / 1e9:.3f}B trainable" if n_trained < n_params else ""

@@ -372,3 +372,25 @@ def test_planner_counts_every_shipped_flavor() -> None:
         for flavor, args in family.FLAVORS.items():
             shape = model_shape(family, args)
             assert shape.ffn_hidden > 0 and shape.n_layers == args.n_layers, (name, flavor)
+
+
+def test_cli_context_parallel_at_128k_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    """8B at 131072 tokens on one node of 8 x 80 GB: each cp degree divides the activations and
+    the logits per GPU; only cp 8 fits. Its K/V traffic in closed form: per layer and
+    micro-batch, K and V (16384 local tokens x kv_dim 1024, bf16) sent to 7 ranks in forward and
+    again in full AC's recompute, their gradients reduce-scattered once; 8 micro-batches keep
+    FSDP's global batch."""
+    argv = ["--model", "8B", "--seq-len", "131072", "--tp", "--cp", "2", "4", "8", "3"]
+    assert main([*argv, "--ac", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "CP3" not in out  # 2 x 3 does not divide 131072, nor 3 the node's 8 GPUs
+    assert "FSDP 1x1 CP8: 56.6 GB fits" in out and "FSDP 1x2 CP4: 93.6 GB does NOT fit" in out
+    assert "recommended: FSDP 1x1 CP8" in out and "cp reduce_scatter" in out
+    shape = model_shape(llama, llama.FLAVORS["8B"])
+    comm = plan_communication(shape, 1, 1, grad_accum_steps=8, tokens=131072, ac_mode="full", cp=8)
+    kv = 7 * 16384 * 1024 * 2
+    assert comm["cp"]["all_gather"] == 8 * 2 * (32 + 32) * kv
+    assert comm["cp"]["reduce_scatter"] == 8 * 2 * 32 * kv
+    mem = {cp: plan_memory(shape, 8 // cp, 1, 131072, cp=cp) for cp in (1, 8)}
+    assert mem[8]["params"] == mem[1]["params"] and mem[8]["logits"] == mem[1]["logits"] / 8
+    assert mem[1]["activations"] / 8 < mem[8]["activations"] < mem[1]["activations"] / 7
