@@ -214,6 +214,30 @@ def meta_apply_scaling(freqs: list[float], scale_factor: float) -> list[float]:
     return new_freqs
 
 
+# RoPE of the Hugging Face config.json of meta-llama/Llama-3.1-{8B,70B,405B} and
+# Llama-3.2-{1B,3B}: (rope_theta, rope_scaling.factor, max_position_embeddings); every one has
+# rope_type llama3, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192,
+# which rope_frequencies fixes (checked against Meta's rule below).
+HF_ROPE = {
+    "1B": (500_000.0, 32.0, 131_072),
+    "3B": (500_000.0, 32.0, 131_072),
+    "8B": (500_000.0, 8.0, 131_072),
+    "70B": (500_000.0, 8.0, 131_072),
+    "405B": (500_000.0, 8.0, 131_072),
+}
+
+
+def test_llama_flavors_rope_as_the_hf_configs() -> None:
+    """Long-context runs (configs/llama3_8b_long.toml, 131072 tokens) depend on these."""
+    assert set(HF_ROPE) == set(FLAVORS) - {"debug"}
+    for flavor, (theta, factor, max_len) in HF_ROPE.items():
+        args = FLAVORS[flavor]
+        assert args.rope_scaling, flavor
+        assert (args.rope_theta, args.rope_scaling_factor, args.max_seq_len) == (
+            theta, factor, max_len,
+        ), flavor  # fmt: skip
+
+
 @pytest.mark.parametrize(("flavor", "factor"), [("8B", 8.0), ("1B", 32.0)])
 def test_llama31_rope_scaling_matches_meta(flavor: str, factor: float) -> None:
     args = FLAVORS[flavor]
