@@ -257,6 +257,13 @@ def test_nonfinite_loss_stops_with_the_step_or_is_skipped(
         pytest.param(
             "configs/llama3_70b.toml", 16, 8, "dp_replicate=4 x dp_shard=32", marks=pytest.mark.slow
         ),
+        pytest.param(
+            "configs/llama3_8b_long.toml",
+            2,
+            8,
+            "dp_replicate=2 x dp_shard=1 x cp=8",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_shipped_configs_resolve_on_their_intended_clusters(
