@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ep", type=int, nargs="*", default=[], help="EP degrees to compare "
                    "(mixture of experts: FSDP over all GPUs, EP inside a node)")  # fmt: skip
     p.add_argument("--freeze", nargs="*", default=[], help="train.freeze patterns")
+    p.add_argument("--loss-chunk-tokens", type=int, default=0, help="train.loss_chunk_tokens "
+                   "(0: the whole sequence's logits at once; not with TP)")  # fmt: skip
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on lora.targets' "
                    "default layers (0: no LoRA)")  # fmt: skip
     a = p.parse_args(argv)
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (rep, shard, tp, ep) in meshes.items():
         mem = plan_memory(
             shape, shard, a.batch, a.seq_len, a.param_dtype, a.ac, a.ac_every, a.reshard, tp=tp,
-            ep=ep,
+            ep=ep, loss_chunk_tokens=a.loss_chunk_tokens if tp == 1 else 0,
         )  # fmt: skip
         # The same global batch: tp ranks share their sequences, so tp x the accumulation.
         comm = plan_communication(
