@@ -136,3 +136,40 @@ def test_hsdp_chunked_loss_equals_unchunked(tiny_dataset: str, tmp_path: Path) -
     whole = run(tiny_dataset, tmp_path, 4, 2, steps)
     chunked = run(tiny_dataset, tmp_path, 4, 2, steps + ["--train.loss_chunk_tokens=24"])
     assert_close(chunked, whole, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_context_parallel_chunked_loss_equals_unchunked(tiny_dataset: str, tmp_path: Path) -> None:
+    """cp 2: each rank chunks its own part of each sequence (its head and tail chunks, in one
+    row); the loss is a sum over tokens, so the split does not matter."""
+    steps = FP32 + ["--train.steps=3", "--train.micro_batch_size=4", "--parallel.cp=2"]
+    whole = run(tiny_dataset, tmp_path, 2, 1, steps)
+    chunked = run(tiny_dataset, tmp_path, 2, 1, steps + ["--train.loss_chunk_tokens=40"])
+    assert_close(chunked, whole, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_chunked_loss_composes_with_the_compiled_loss() -> None:
+    """compile.loss: each chunk's cross-entropy is the compiled function (Inductor compiles it
+    for a full and then a short chunk), inside the checkpoint and again in its recompute; loss
+    and gradients equal the eager unchunked ones. Slow: compiling takes tens of seconds."""
+    from parallel.compile import CompileConfig, compile_loss
+
+    torch.manual_seed(0)
+    output = torch.nn.Linear(32, 512, bias=False)
+    hidden = torch.randn(2, 24, 32, requires_grad=True)
+    targets = torch.randint(0, 512, (2, 24))
+    targets[0, :3] = -100
+
+    def loss_and_grads(fn) -> list[torch.Tensor]:
+        hidden.grad = output.weight.grad = None
+        loss = fn(hidden, targets) / (targets != -100).sum()
+        loss.backward()
+        return [loss.detach(), hidden.grad, output.weight.grad]
+
+    whole = loss_and_grads(lambda h, t: cross_entropy_sum(output(h), t))
+    compiled = compile_loss(cross_entropy_sum, CompileConfig(enabled=True))
+    for _ in range(2):  # the second call reuses the compiled code
+        chunked = loss_and_grads(ChunkedLoss(output, 10, compiled))
+        for got, want in zip(chunked, whole, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
