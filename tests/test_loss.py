@@ -115,15 +115,36 @@ def test_planner_counts_one_chunk_of_logits() -> None:
     assert chunked == whole / 2 and larger == whole
 
 
+def losses_and_val_losses(argv: list[str]) -> list[float]:
+    """A rank's training losses, then the validation losses it computed (train.evaluate)."""
+    import train as trainer
+    from tests.test_train import train_losses
+
+    seen, evaluate = [], trainer.evaluate
+
+    def recorded(*args, **kwargs) -> float:
+        seen.append(evaluate(*args, **kwargs))
+        return seen[-1]
+
+    trainer.evaluate = recorded  # validate() looks it up by name
+    return train_losses(argv) + seen
+
+
 def test_fsdp_chunked_loss_equals_unchunked(tiny_dataset: str, tmp_path: Path) -> None:
     """FSDP 1x2, loss in chunks of 48 tokens (micro-batches of 4 x 32: 3 chunks, the last
     short): the output projection runs outside the root unit's forward, on its gathered weight,
     and its gradient is reduce-scattered with the root's: the losses of 3 steps (each step's
-    update follows the gradients) equal the unchunked run's on the same mesh."""
-    steps = FP32 + ["--train.steps=3", "--train.micro_batch_size=4"]
-    whole = run(tiny_dataset, tmp_path, 2, 1, steps)
-    chunked = run(tiny_dataset, tmp_path, 2, 1, steps + ["--train.loss_chunk_tokens=48"])
-    assert whole[0] != whole[-1]  # the updates moved the loss
+    update follows the gradients) and the validation loss after them (chunks under no_grad)
+    equal the unchunked run's on the same mesh."""
+    from tests.distributed import run_distributed
+    from tests.test_train import TINY
+
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY, *FP32,
+            "--train.steps=3", "--train.micro_batch_size=4", "--train.eval_interval=3",
+            "--train.eval_batches=1"]  # fmt: skip
+    whole = run_distributed(losses_and_val_losses, 2, argv)[0]
+    chunked = run_distributed(losses_and_val_losses, 2, [*argv, "--train.loss_chunk_tokens=48"])[0]
+    assert len(whole) == 4 and whole[0] != whole[2]  # 3 steps moved the loss, 1 validation
     assert_close(chunked, whole, rtol=1e-6)
 
 
