@@ -71,6 +71,9 @@ def test_chunks_recompute_the_logits_in_backward() -> None:
 
     # Outside the checkpoints only: inside, checkpoint's own hooks take precedence.
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        cross_entropy_sum(output(hidden), targets)  # the control: whole logits are saved
+        assert max(s.numel() for s in saved) >= 64 * 1000
+        saved.clear()
         loss = ChunkedLoss(output, 16, cross_entropy_sum)(hidden, targets)
     assert saved == [] or max(s.numel() for s in saved) < 16 * 1000
     loss.backward()
