@@ -61,7 +61,7 @@ from launch.metrics import (
     profile_step,
 )
 from launch.preflight import network_problem
-from model import count_params, get_hf_mapping
+from model import count_params, get_hf_mapping, output_layer
 from parallel.build import BuiltModel, build_model
 from parallel.compile import compile_loss
 from parallel.cp import split_after
@@ -69,6 +69,7 @@ from parallel.dims import LaunchEnv
 from parallel.ep import build_expert_mesh
 from parallel.fsdp import assign_local_shard, reshard_plan
 from parallel.lora import adapter_names, init_lora
+from parallel.loss import ChunkedLoss
 from parallel.runtime import (
     build_mesh,
     dp_rank_and_size,
@@ -144,11 +145,15 @@ def summed_loss(
     batch: MicroBatch,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
 ) -> torch.Tensor:
-    """The model's summed loss on one micro-batch (`loss_fn`: possibly the compiled one).
+    """The model's summed loss on one micro-batch (`loss_fn`: possibly the compiled one; a
+    `ChunkedLoss` takes the final hidden states and projects them itself, a chunk at a time).
     At tp > 1 call it under `loss_context`: the loss is then a DTensor holding the whole value
     on every tp rank, returned as a plain tensor (its backward still runs through DTensor)."""
-    logits = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions)
-    loss = loss_fn(logits, batch.targets)
+    # Only when chunking: a family without `hidden_only` keeps working unchunked.
+    chunked = {"hidden_only": True} if isinstance(loss_fn, ChunkedLoss) else {}
+    out = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions,
+                **chunked)  # fmt: skip
+    loss = loss_fn(out, batch.targets)
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
@@ -313,6 +318,8 @@ def setup(
     )
     # At tp > 1 loss parallel (loss_context) keeps the logits split instead: no compiled loss.
     loss_fn = compile_loss(cross_entropy_sum, job.compile) if plan.tp == 1 else cross_entropy_sum
+    if t.loss_chunk_tokens:  # the logits a chunk at a time (parallel/loss.py; tp = 1, checked)
+        loss_fn = ChunkedLoss(output_layer(plan.family, model), t.loss_chunk_tokens, loss_fn)
     dp_rank, dp_size = dp_rank_and_size(mesh)
     # A loader's (inputs, targets) on the device, with their document ids and targets under
     # data.attention_mask="document" (data/documents.py): derived per micro-batch, on the device.

@@ -52,6 +52,7 @@ from parallel.cp import check_cp
 from parallel.dims import LaunchEnv, resolve_dims
 from parallel.ep import check_ep
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
+from parallel.loss import check_chunked_loss
 from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
 
@@ -92,6 +93,8 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     args = family.build_args(job.model)
     dp_replicate, dp_shard = resolve_dims(job.parallel, env)
     check_tp(family, args, job.parallel.tp, job.model.name)
+    check_chunked_loss(family, job.train.loss_chunk_tokens, job.parallel.tp,
+                       job.parallel.reshard_after_forward, job.model.name)  # fmt: skip
     check_ep(family, args, job.parallel, dp_shard, job.compile.enabled, job.model.name)
     dp = dp_replicate * dp_shard
     t = job.train
@@ -252,6 +255,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         tp=plan.tp,
         ep=plan.ep,
         cp=plan.cp,
+        loss_chunk_tokens=job.train.loss_chunk_tokens,
     )
     comm = plan_communication(
         shape,

@@ -101,6 +101,10 @@ class TrainConfig:
     """With on_nonfinite='skip': stop with an error after this many skipped steps in a row."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms: bitwise repeatable kernels, somewhat slower."""
+    loss_chunk_tokens: int = 0
+    """Compute the output projection and the cross-entropy this many tokens at a time,
+    recomputed in backward, so that no rank holds more than one chunk's logits (0 = all at
+    once; parallel/loss.py). For long sequences at a large vocabulary: e.g. 4096."""
     freeze: list[str] = field(default_factory=list)
     """Parameters that do not train: glob patterns over their names ('tok_embeddings.*',
     'layers.[0-7].*'; parallel/freeze.py)."""
@@ -110,8 +114,10 @@ class TrainConfig:
         for name in (*names, "max_skipped_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_interval < 0 or self.max_grad_norm < 0:
-            raise ConfigError("train: eval_interval and max_grad_norm must be >= 0")
+        if self.eval_interval < 0 or self.max_grad_norm < 0 or self.loss_chunk_tokens < 0:
+            raise ConfigError(
+                "train: eval_interval, max_grad_norm and loss_chunk_tokens must be >= 0"
+            )
 
 
 @dataclass

@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ep", type=int, nargs="*", default=[], help="EP degrees to compare "
                    "(mixture of experts: FSDP over all GPUs, EP inside a node)")  # fmt: skip
     p.add_argument("--freeze", nargs="*", default=[], help="train.freeze patterns")
+    p.add_argument("--loss-chunk-tokens", type=int, default=0, help="train.loss_chunk_tokens "
+                   "(0: the whole sequence's logits at once; not with TP)")  # fmt: skip
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on lora.targets' "
                    "default layers (0: no LoRA)")  # fmt: skip
     a = p.parse_args(argv)
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (rep, shard, tp, ep, cp) in meshes.items():
         mem = plan_memory(
             shape, shard, a.batch, a.seq_len, a.param_dtype, a.ac, a.ac_every, a.reshard, tp=tp,
-            ep=ep, cp=cp,
+            ep=ep, cp=cp, loss_chunk_tokens=a.loss_chunk_tokens if tp == 1 else 0,
         )  # fmt: skip
         # The same global batch: tp (cp) ranks share their sequences, so tp (cp) x the
         # accumulation.

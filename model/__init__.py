@@ -41,6 +41,13 @@ What the trainer may assume, and nothing more:
   weights were loaded from elsewhere). Parameter names are the checkpoint keys: they must not
   depend on the mesh, and wrappers (`torch.compile`, activation checkpointing) are stripped by
   `canonical_name`.
+- **The output projection, apart** (optional: `output_layer(model)`, read through
+  `model.output_layer(family, model)`; `train.loss_chunk_tokens` needs it): the module that
+  turns the final hidden states into logits, called as `layer(hidden)`, and
+  `forward(..., hidden_only=True)`, which returns its input, (batch, seq, dim), instead of
+  the logits, with everything else of the forward unchanged (an MoE's terms are kept). The
+  trainer then applies the layer itself, a chunk of tokens at a time (parallel/loss.py). It
+  must stay in the root FSDP unit (not inside `fsdp_units`).
 - **FSDP units.** `fsdp_units(model)`: the modules sharded as their own unit, in forward order
   (the transformer blocks); what is left (embeddings, final norm, output) is the root unit.
 - **FP8 candidates.** `fp8_linears(model)`: names of the `nn.Linear` layers FP8 may convert
@@ -315,6 +322,7 @@ class TrainableModel(Protocol):
         tokens: torch.Tensor,
         document_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        hidden_only: bool = False,
     ) -> torch.Tensor: ...
 
     def init_weights(
@@ -394,6 +402,13 @@ def step_terms(family: ModelFamily, model: nn.Module) -> StepTerms | None:
     """The family's step terms for `model`, or None for a family that adds none."""
     make = getattr(family, "step_terms", None)
     return None if make is None else make(model)
+
+
+def output_layer(family: ModelFamily, model: nn.Module) -> nn.Module | None:
+    """The family's output projection of `model` (see the module docstring), or None for a
+    family that does not hand it out."""
+    get = getattr(family, "output_layer", None)
+    return None if get is None else get(model)
 
 
 class MoEFamily(ModelFamily, Protocol):

@@ -261,11 +261,13 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         document_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        hidden_only: bool = False,
     ) -> torch.Tensor:
         """tokens: (batch, seq) int64 -> logits: (batch, seq, vocab). `document_ids` (batch,
         seq): a token attends only to earlier tokens of its own document (None: to every
         earlier token). `positions` (batch, seq): each token's RoPE position (None: 0..seq-1).
-        See model/__init__.py."""
+        `hidden_only`: the final norm's output (batch, seq, dim) instead of the logits. See
+        model/__init__.py."""
         if tokens.shape[1] > self.rope.shape[0]:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds the RoPE table "
@@ -277,7 +279,9 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
-        return self.output(self.norm(h))
+        # hidden_only: the trainer applies `output` itself, a chunk of tokens at a time.
+        h = self.norm(h)
+        return h if hidden_only else self.output(h)
 
     @torch.no_grad()
     def init_weights(
@@ -350,6 +354,11 @@ def fsdp_units(model: Transformer) -> list[nn.Module]:
     The embeddings, final norm and output projection stay in the root unit.
     """
     return list(model.layers.values())
+
+
+def output_layer(model: Transformer) -> nn.Module:
+    """The output projection that `forward(..., hidden_only=True)` leaves out."""
+    return model.output
 
 
 # Tensor parallel (model.TPStyle, applied by parallel/tp.py): heads and FFN features split

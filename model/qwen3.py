@@ -211,11 +211,13 @@ class Qwen3(nn.Module):
         tokens: torch.Tensor,
         document_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        hidden_only: bool = False,
     ) -> torch.Tensor:
         """tokens: (batch, seq) int64 -> logits: (batch, seq, vocab). `document_ids` (batch,
         seq): a token attends only to earlier tokens of its own document (None: to every
         earlier token). `positions` (batch, seq): each token's RoPE position (None: 0..seq-1).
-        See model/__init__.py."""
+        `hidden_only`: the final norm's output (batch, seq, dim) instead of the logits. See
+        model/__init__.py."""
         if tokens.shape[1] > self.rope.shape[0]:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds the RoPE table "
@@ -227,7 +229,9 @@ class Qwen3(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
-        return self.output(self.norm(h))
+        # hidden_only: the trainer applies `output` itself, a chunk of tokens at a time.
+        h = self.norm(h)
+        return h if hidden_only else self.output(h)
 
     # Copied from model.llama.Transformer.init_weights
     @torch.no_grad()
@@ -333,6 +337,12 @@ def fsdp_units(model: Qwen3) -> list[nn.Module]:
     The embeddings, final norm and output projection stay in the root unit.
     """
     return list(model.layers.values())
+
+
+# Copied from model.llama.output_layer with Transformer->Qwen3
+def output_layer(model: Qwen3) -> nn.Module:
+    """The output projection that `forward(..., hidden_only=True)` leaves out."""
+    return model.output
 
 
 def fp8_linears(model: Qwen3) -> list[str]:

@@ -160,6 +160,7 @@ class Qwen3MoE(nn.Module):
         tokens: torch.Tensor,
         document_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        hidden_only: bool = False,
     ) -> torch.Tensor:
         """tokens: (batch, seq) int64 -> logits: (batch, seq, vocab), as Qwen3's forward; the
         auxiliary loss and the expert load of this forward are kept for the trainer."""
@@ -179,7 +180,9 @@ class Qwen3MoE(nn.Module):
         # The mean over layers: the coefficients mean the same at any depth.
         self.last_aux_loss = torch.stack(aux).mean()
         self.last_expert_load = torch.stack(load).detach()
-        return self.output(self.norm(h))
+        # hidden_only: the trainer applies `output` itself, a chunk of tokens at a time.
+        h = self.norm(h)
+        return h if hidden_only else self.output(h)
 
     # Copied from model.llama.Transformer.init_weights
     @torch.no_grad()
@@ -272,6 +275,12 @@ def fsdp_units(model: Qwen3MoE) -> list[nn.Module]:
     The embeddings, final norm and output projection stay in the root unit.
     """
     return list(model.layers.values())
+
+
+# Copied from model.llama.output_layer with Transformer->Qwen3MoE
+def output_layer(model: Qwen3MoE) -> nn.Module:
+    """The output projection that `forward(..., hidden_only=True)` leaves out."""
+    return model.output
 
 
 def fp8_linears(model: Qwen3MoE) -> list[str]:

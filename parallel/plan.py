@@ -487,6 +487,7 @@ def plan_memory(
     tp: int = 1,
     ep: int = 1,
     cp: int = 1,
+    loss_chunk_tokens: int = 0,
 ) -> dict[str, float]:
     """Bytes per rank: the sharded fp32 training state, gathered parameters and activations.
     `seq_len` is the whole sequence; under context parallel a rank holds 1/cp of it and the
@@ -511,6 +512,8 @@ def plan_memory(
     n_blocks = len(units) - 1
     kept = n_blocks - sum(reshard_plan(n_blocks, reshard_after_forward, dp_shard, cpu_offload)[:-1])
     gathered_blocks = max(kept, min(2, n_blocks))
+    # A chunked loss (train.loss_chunk_tokens, parallel/loss.py) holds one chunk's logits.
+    logits = min(tokens, loss_chunk_tokens or tokens) * shape.vocab_size / tp
     return {
         "params": 4 * shard,
         "grads": 4 * trained,
@@ -523,5 +526,5 @@ def plan_memory(
         # the loss is compiled (compile.loss); eager adds a float32 copy, the float32
         # log-softmax kept for backward and a float32 gradient (measured: bench/loss.py). With
         # tp each rank holds its vocabulary slice only (loss parallel, never compiled).
-        "logits": tokens * shape.vocab_size / tp * (2 * pbytes if compiled_loss else pbytes + 12),
+        "logits": logits * (2 * pbytes if compiled_loss else pbytes + 12),
     }

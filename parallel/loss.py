@@ -1,0 +1,90 @@
+"""The loss a chunk of tokens at a time (`train.loss_chunk_tokens`): no whole-sequence logits.
+
+At a 128k vocabulary the logits outgrow everything else a long sequence holds: for Llama 3 8B
+at seq 8,192 with full AC they and the loss's float32 temporaries are 13.7 GiB of 35 GiB per
+rank (parallel/plan.py), at seq 131,072 219 GiB of 294 GiB. With chunking, the model's forward
+stops at the final norm (`forward(..., hidden_only=True)`, the model contract) and `ChunkedLoss`
+applies the family's output projection (`model.output_layer`) and the cross-entropy to
+`chunk_tokens` tokens at a time, each chunk under `torch.utils.checkpoint` (non-reentrant):
+forward keeps only the hidden states, and backward recomputes one chunk's logits, takes their
+gradient into the hidden states and the weight, and frees them before the next chunk. The peak
+is one chunk's logits (and their float32 temporaries) instead of the sequence's.
+
+Why checkpoint per chunk and not a custom autograd.Function that computes each chunk's
+gradients in forward (Liger's fused linear cross-entropy): it runs exactly the unchunked ops,
+so the loss and gradients match the unchunked ones (fp32, tests/test_loss.py), and it calls the
+output layer as a module, so whatever that is works unchanged: FSDP2's unsharded weight
+(the root unit's parameters stay gathered from its forward to its backward, and the gradient
+accumulates on them to be reduce-scattered with the root's), tied embeddings, a LoRA adapter, a
+float8 Linear, the compiled loss (`compile.loss`). The price is one more forward of the output
+projection per step, about 2% of Llama 3 8B's FLOPs; Liger's saves that but must reimplement
+the projection's backward for a bare weight.
+
+Not at tp > 1 (launch/check.py refuses it): there, loss parallel already divides the logits by
+tp, and the hidden states are a sequence-split DTensor that this chunking does not handle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from configs import ConfigError
+from model import ModelFamily
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ChunkedLoss:
+    """`loss_fn(output(hidden), targets)`, summed over chunks of `chunk_tokens` tokens; takes
+    the final hidden states (batch, seq, dim) where the plain loss takes the logits."""
+
+    def __init__(self, output: nn.Module, chunk_tokens: int, loss_fn: LossFn) -> None:
+        self.output, self.chunk_tokens, self.loss_fn = output, chunk_tokens, loss_fn
+
+    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Chunks of the flattened (batch x seq) tokens. `split`, not slicing: its backward
+        # concatenates the chunks' gradients once, where each slice's would be a zero-padded
+        # copy of the whole hidden states.
+        hiddens = hidden.flatten(0, 1).split(self.chunk_tokens)
+        total = None
+        for h, t in zip(hiddens, targets.flatten().split(self.chunk_tokens), strict=True):
+            if torch.is_grad_enabled():  # validation runs under no_grad: nothing to recompute
+                part = checkpoint(self._chunk, h, t, use_reentrant=False)
+            else:
+                part = self._chunk(h, t)
+            total = part if total is None else total + part
+        return total
+
+    def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # A batch of one sequence, the shapes loss_fn takes: (1, tokens, dim), (1, tokens).
+        return self.loss_fn(self.output(hidden.unsqueeze(0)), targets.unsqueeze(0))
+
+
+def check_chunked_loss(
+    family: ModelFamily, chunk_tokens: int, tp: int, reshard_after_forward: str, name: str
+) -> None:
+    """ConfigError, before any process group, for a chunked loss this run cannot have."""
+    if not chunk_tokens:
+        return
+    if getattr(family, "output_layer", None) is None:
+        raise ConfigError(
+            f"train.loss_chunk_tokens: model {name} has no output_layer(model) (model/__init__.py)"
+        )
+    if tp > 1:
+        raise ConfigError(
+            f"train.loss_chunk_tokens with parallel.tp={tp}: loss parallel already splits the "
+            f"logits over the vocabulary (1/{tp} per rank) and the hidden states are split "
+            "along the sequence; set train.loss_chunk_tokens=0"
+        )
+    if reshard_after_forward == "always":
+        # The chunks call the output projection after the root's forward and again in
+        # backward: the root unit must stay gathered in between ('default' and 'never' keep it).
+        raise ConfigError(
+            "train.loss_chunk_tokens with parallel.reshard_after_forward='always': the chunked "
+            "loss uses the output projection after the root unit's forward, which 'always' "
+            "frees; use 'default' (it frees every block but the last, never the root)"
+        )

@@ -1,0 +1,199 @@
+"""The chunked loss (`train.loss_chunk_tokens`, parallel/loss.py): the unchunked loss and
+gradients in fp32, on one process for every family and through the trainer on FSDP and HSDP;
+its config errors; the planner's count."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from configs import ConfigError
+from data.documents import MicroBatch
+from model import FAMILIES, ModelConfig, output_layer
+from parallel.loss import ChunkedLoss
+from tests.test_train import FP32, assert_close, run
+from train import cross_entropy_sum, summed_loss
+
+
+def _loss_and_grads(model: torch.nn.Module, batch: MicroBatch, loss_fn) -> tuple:
+    model.zero_grad(set_to_none=True)
+    # The mean per target, as train_step normalizes it: gradients of order 1 (a sum's grow
+    # with the token count, and fp32 rounding with them).
+    loss = summed_loss(model, batch, loss_fn) / (batch.targets != -100).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [("llama3", {}), ("llama3", {"tie_embeddings": True}), ("qwen3", {}), ("qwen3_moe", {})],
+    ids=["llama3", "llama3-tied", "qwen3", "qwen3_moe"],
+)
+def test_chunked_loss_equals_whole_loss_and_gradients(name: str, overrides: dict) -> None:
+    """Chunks of 7 tokens (not dividing the batch's 2 x 24, so the last is short) across the
+    batch's sequences, some targets ignored: the loss and every parameter's gradient equal the
+    unchunked ones within 1e-6 (fp32), and so does the no_grad (validation) loss."""
+    family = FAMILIES[name]
+    small = {"dim": 64, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512}
+    args = family.build_args(ModelConfig(name=name, flavor="debug", **small, **overrides))
+    torch.manual_seed(0)
+    model = family.build_model(args)
+    model.init_weights(seed=0, rope_len=24)
+    tokens = torch.randint(0, args.vocab_size, (2, 25))
+    targets = tokens[:, 1:].clone()
+    targets[0, :5] = -100  # a prompt's targets, as fine-tuning masks them
+    batch = MicroBatch(tokens[:, :-1], targets)
+    chunked = ChunkedLoss(output_layer(family, model), 7, cross_entropy_sum)
+    whole_loss, whole_grads = _loss_and_grads(model, batch, cross_entropy_sum)
+    chunk_loss, chunk_grads = _loss_and_grads(model, batch, chunked)
+    torch.testing.assert_close(chunk_loss, whole_loss, rtol=1e-6, atol=1e-6)
+    assert chunk_grads.keys() == whole_grads.keys()
+    for n, grad in whole_grads.items():
+        torch.testing.assert_close(chunk_grads[n], grad, rtol=1e-6, atol=1e-6, msg=n)
+    with torch.no_grad():
+        val_loss = summed_loss(model, batch, chunked) / (targets != -100).sum()
+    torch.testing.assert_close(val_loss, whole_loss, rtol=1e-6, atol=1e-6)
+
+
+def test_chunks_recompute_the_logits_in_backward() -> None:
+    """What forward keeps for backward is the hidden states, never a (tokens x vocab) tensor:
+    the logits of a chunk exist only while its loss, or its recompute in backward, runs."""
+    output = torch.nn.Linear(16, 1000, bias=False)
+    hidden = torch.randn(1, 64, 16, requires_grad=True)
+    targets = torch.randint(0, 1000, (1, 64))
+    saved: list[torch.Size] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.shape)
+        return t
+
+    # Outside the checkpoints only: inside, checkpoint's own hooks take precedence.
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        cross_entropy_sum(output(hidden), targets)  # the control: whole logits are saved
+        assert max(s.numel() for s in saved) >= 64 * 1000
+        saved.clear()
+        loss = ChunkedLoss(output, 16, cross_entropy_sum)(hidden, targets)
+    assert saved == [] or max(s.numel() for s in saved) < 16 * 1000
+    loss.backward()
+    assert hidden.grad is not None and output.weight.grad is not None
+
+
+@pytest.mark.parametrize(
+    ("extra", "world", "message"),
+    [
+        (["--parallel.tp=2"], 2, r"loss_chunk_tokens with parallel.tp=2: loss parallel"),
+        (["--parallel.reshard_after_forward=always"], 2, r"'always': the chunked loss uses"),
+        (["--train.loss_chunk_tokens=-1"], 1, r"loss_chunk_tokens must be >= 0"),
+    ],
+    ids=["tp", "reshard-always", "negative"],
+)
+def test_chunked_loss_config_errors(
+    tiny_dataset: str, extra: list[str], world: int, message: str
+) -> None:
+    from configs import parse_config
+    from launch.check import check_config
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+    from tests.test_train import TINY
+
+    argv = [f"--data.path={tiny_dataset}", *TINY, "--train.loss_chunk_tokens=16", *extra]
+    with pytest.raises(ConfigError, match=message) as err:
+        check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, world, world, 1))
+    assert "\n" not in str(err.value)
+
+
+def test_planner_counts_one_chunk_of_logits() -> None:
+    """Llama 3 8B at seq 8,192 on 8 ranks: the logits term holds 4,096 tokens' worth when
+    chunked by 4,096, and a chunk larger than the micro-batch changes nothing."""
+    from model import llama
+    from parallel.plan import model_shape, plan_memory
+
+    shape = model_shape(llama, llama.build_args(ModelConfig(flavor="8B")))
+    whole = plan_memory(shape, 8, 1, 8192, ac_mode="full")["logits"]
+    chunked = plan_memory(shape, 8, 1, 8192, ac_mode="full", loss_chunk_tokens=4096)["logits"]
+    larger = plan_memory(shape, 8, 1, 8192, ac_mode="full", loss_chunk_tokens=10**6)["logits"]
+    assert whole == 8192 * 128_256 * (2 + 12)  # bf16 logits, eager loss's float32 temporaries
+    assert chunked == whole / 2 and larger == whole
+
+
+def losses_and_val_losses(argv: list[str]) -> list[float]:
+    """A rank's training losses, then the validation losses it computed (train.evaluate)."""
+    import train as trainer
+    from tests.test_train import train_losses
+
+    seen, evaluate = [], trainer.evaluate
+
+    def recorded(*args, **kwargs) -> float:
+        seen.append(evaluate(*args, **kwargs))
+        return seen[-1]
+
+    trainer.evaluate = recorded  # validate() looks it up by name
+    return train_losses(argv) + seen
+
+
+def test_fsdp_chunked_loss_equals_unchunked(tiny_dataset: str, tmp_path: Path) -> None:
+    """FSDP 1x2, loss in chunks of 48 tokens (micro-batches of 4 x 32: 3 chunks, the last
+    short): the output projection runs outside the root unit's forward, on its gathered weight,
+    and its gradient is reduce-scattered with the root's: the losses of 3 steps (each step's
+    update follows the gradients) and the validation loss after them (chunks under no_grad)
+    equal the unchunked run's on the same mesh."""
+    from tests.distributed import run_distributed
+    from tests.test_train import TINY
+
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY, *FP32,
+            "--train.steps=3", "--train.micro_batch_size=4", "--train.eval_interval=3",
+            "--train.eval_batches=1"]  # fmt: skip
+    whole = run_distributed(losses_and_val_losses, 2, argv)[0]
+    chunked = run_distributed(losses_and_val_losses, 2, [*argv, "--train.loss_chunk_tokens=48"])[0]
+    assert len(whole) == 4 and whole[0] != whole[2]  # 3 steps moved the loss, 1 validation
+    assert_close(chunked, whole, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_hsdp_chunked_loss_equals_unchunked(tiny_dataset: str, tmp_path: Path) -> None:
+    """HSDP 2x2 with tied embeddings (the output weight is also the embedding's: two uses of
+    one gathered parameter, one reduction) and two micro-batches per step (the chunks'
+    gradients accumulate unreduced until the last): chunked = unchunked on the same mesh."""
+    steps = FP32 + ["--train.steps=3", "--train.micro_batch_size=1", "--model.tie_embeddings=true"]
+    whole = run(tiny_dataset, tmp_path, 4, 2, steps)
+    chunked = run(tiny_dataset, tmp_path, 4, 2, steps + ["--train.loss_chunk_tokens=24"])
+    assert_close(chunked, whole, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_context_parallel_chunked_loss_equals_unchunked(tiny_dataset: str, tmp_path: Path) -> None:
+    """cp 2: each rank chunks its own part of each sequence (its head and tail chunks, in one
+    row); the loss is a sum over tokens, so the split does not matter."""
+    steps = FP32 + ["--train.steps=3", "--train.micro_batch_size=4", "--parallel.cp=2"]
+    whole = run(tiny_dataset, tmp_path, 2, 1, steps)
+    chunked = run(tiny_dataset, tmp_path, 2, 1, steps + ["--train.loss_chunk_tokens=40"])
+    assert_close(chunked, whole, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_chunked_loss_composes_with_the_compiled_loss() -> None:
+    """compile.loss: each chunk's cross-entropy is the compiled function (Inductor compiles it
+    for a full and then a short chunk), inside the checkpoint and again in its recompute; loss
+    and gradients equal the eager unchunked ones. Slow: compiling takes tens of seconds."""
+    from parallel.compile import CompileConfig, compile_loss
+
+    torch.manual_seed(0)
+    output = torch.nn.Linear(32, 512, bias=False)
+    hidden = torch.randn(2, 24, 32, requires_grad=True)
+    targets = torch.randint(0, 512, (2, 24))
+    targets[0, :3] = -100
+
+    def loss_and_grads(fn) -> list[torch.Tensor]:
+        hidden.grad = output.weight.grad = None
+        loss = fn(hidden, targets) / (targets != -100).sum()
+        loss.backward()
+        return [loss.detach(), hidden.grad, output.weight.grad]
+
+    whole = loss_and_grads(lambda h, t: cross_entropy_sum(output(h), t))
+    compiled = compile_loss(cross_entropy_sum, CompileConfig(enabled=True))
+    for _ in range(2):  # the second call reuses the compiled code
+        chunked = loss_and_grads(ChunkedLoss(output, 10, compiled))
+        for got, want in zip(chunked, whole, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
