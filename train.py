@@ -519,9 +519,10 @@ def score_tasks(run: Run) -> dict[str, float]:
 def task_logliks(run: Run, task: Task) -> torch.Tensor:
     """The summed log-likelihood of each request of `task` (float64, the same on every rank):
     each data-parallel rank scores its share, in as many forwards as every other rank."""
-    t, plan = run.job.train, run.plan
+    plan, rows = run.plan, run.job.eval.batch_size or run.job.train.micro_batch_size
     logliks = torch.zeros(len(task.requests), dtype=torch.float64, device=run.device)
-    batches = task_batches(task, run.dp_rank, run.dp_size, t.micro_batch_size, run.job.data.seq_len)
+    batches = task_batches(task, run.dp_rank, run.dp_size, rows,
+                           run.job.data.seq_len, trim=not run.job.compile.enabled)  # fmt: skip
     for inputs, targets, ids in batches:
         # As training sees a window: on the device, with document ids and positions under
         # document masking (each request starts after an EOS, as a document does).

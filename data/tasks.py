@@ -58,6 +58,14 @@ class EvalConfig:
     tasks: dict[str, TaskConfig] = field(default_factory=dict)
     """Tasks scored at every train.eval_interval and at the end, beside the validation loss:
     tables [eval.tasks.NAME] with path, kind and limit."""
+    batch_size: int = 0
+    """Requests per forward on each rank (0: train.micro_batch_size). A forward without
+    gradients keeps no activations, so more rows fit than in training; the float32 logits of
+    batch_size x seq_len x vocab are the largest tensor. Fewer forwards: fewer all-gathers."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 0:
+            raise ConfigError(f"eval.batch_size must be >= 0, got {self.batch_size}")
 
 
 class Request(NamedTuple):
@@ -203,19 +211,27 @@ def encode_request(tokenizer: Tokenizer, eos_id: int, context: str, continuation
 
 
 def task_batches(
-    task: Task, dp_rank: int, dp_size: int, batch_size: int, seq_len: int
+    task: Task, dp_rank: int, dp_size: int, batch_size: int, seq_len: int, trim: bool = True
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """This data-parallel rank's (inputs, targets, request ids): request i is scored on rank
-    i % dp_size, one per row of `seq_len` tokens (the training shape: no recompilation, the
-    same memory). Every rank yields the same number of batches, rows past its requests padded
-    with dummy ones (id -1, no target): FSDP's all-gathers need every rank in every forward."""
-    mine = list(range(dp_rank, len(task.requests), dp_size))
+    i % dp_size, one per row (right-padded: causal attention keeps the padding out of the
+    request's tokens). Every rank yields the same number of batches, rows past its requests
+    padded with dummy ones (id -1, no target): FSDP's all-gathers need every rank in every
+    forward. `trim`: rows as long as the batch's longest request, the longest first, as
+    lm-eval-harness sorts them (the debug task's forwards then cost about half of rows of
+    `seq_len`); else `seq_len`, the training shape, which compiled blocks are compiled for."""
+    mine = sorted(range(dp_rank, len(task.requests), dp_size),
+                  key=lambda i: -len(task.requests[i].tokens))  # fmt: skip
     per_rank = math.ceil(len(task.requests) / dp_size)
     for start in range(0, max(per_rank, 1), batch_size):
-        inputs = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        targets = torch.full((batch_size, seq_len), NO_TARGET, dtype=torch.long)
+        rows = mine[start : start + batch_size]
+        # Multiples of 16: a few shapes (and kernels) instead of one per length.
+        longest = max((len(task.requests[i].tokens) - 1 for i in rows), default=1)
+        length = min(seq_len, math.ceil(longest / 16) * 16) if trim else seq_len
+        inputs = torch.zeros(batch_size, length, dtype=torch.long)
+        targets = torch.full((batch_size, length), NO_TARGET, dtype=torch.long)
         ids = torch.full((batch_size,), -1, dtype=torch.long)
-        for row, i in enumerate(mine[start : start + batch_size]):
+        for row, i in enumerate(rows):
             tokens, n = task.requests[i]
             inputs[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
             # The target at position p is token p + 1: the continuation's n tokens are the
