@@ -4,7 +4,7 @@
 
 Each example's context is the lines of a Python file before a line, its gold choice that line,
 and its distractors lines of other files. The files are those `python -m data.prepare` holds out
-for validation (the same hash of the same keys, data/prepare.py `is_val`), so a model trained on
+for validation (the same hash of the same keys, data/inputs.py `is_val`), so a model trained on
 the stdlib dataset has never seen them. `python -m data.prepare` with no `--input` writes this
 task into the dataset it makes, where configs/debug.toml scores it. The file is a function of
 the seed, the Python version's stdlib and the arguments; the format is docs/evaluation.md's.
@@ -19,6 +19,7 @@ import random
 from pathlib import Path
 
 from configs import ConfigError
+from data.inputs import STDLIB_EXCLUDED_DIRS, find_files, is_val, stdlib_dir
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +32,6 @@ MIN_LINE_CHARS = 8  # shorter lines ("else:", ")") say too little to tell apart
 
 def held_out_files(val_fraction: float) -> list[tuple[Path, str]]:
     """The stdlib files (path, key) that `python -m data.prepare` puts in its val split."""
-    from data.inputs import find_files
-    from data.prepare import STDLIB_EXCLUDED_DIRS, is_val, stdlib_dir
-
     files = find_files([str(stdlib_dir())], "*.py", STDLIB_EXCLUDED_DIRS)
     return [(path, key) for path, key in files if is_val(key, val_fraction)]
 

@@ -25,9 +25,7 @@ import os
 import shutil
 import signal
 import sys
-import sysconfig
 import time
-import zlib
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -38,7 +36,16 @@ from tqdm import tqdm
 
 from configs import ConfigError
 from data.encode import Chunk, Encoded, encode_in_order
-from data.inputs import DEFAULT_PATTERN, NotText, check_inputs, find_files, iter_documents
+from data.inputs import (
+    DEFAULT_PATTERN,
+    STDLIB_EXCLUDED_DIRS,
+    NotText,
+    check_inputs,
+    find_files,
+    is_val,
+    iter_documents,
+    stdlib_dir,
+)
 from data.make_eval_task import write_task
 from data.sft import KINDS, load_format
 from data.sft import PATTERN as EXAMPLE_PATTERN
@@ -50,8 +57,6 @@ logger = logging.getLogger(__name__)
 
 SPLITS: tuple[Split, ...] = ("train", "val")
 DEFAULT_OUT = "outputs/data/stdlib"
-# Third-party packages are not the standard library and differ from machine to machine.
-STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 INDEX_VERSION = 1
 # The next-line task written beside the stdlib dataset (data/make_eval_task.py).
 NEXT_LINE_TASK = "next_line.jsonl"
@@ -63,19 +68,9 @@ CHUNK_DOCS = 1024
 CHUNK_BYTES = 4 * 2**20
 
 
-def stdlib_dir() -> Path:
-    """The running interpreter's standard-library directory (the default corpus)."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask, e.g. a Slurm allocation)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def is_val(doc_key: str, val_fraction: float) -> bool:
-    """Hash-based split: stable per document, independent of corpus order and size."""
-    return zlib.crc32(doc_key.encode("utf-8")) % 1_000_000 < val_fraction * 1_000_000
 
 
 def _chunks(docs: Iterator[tuple[str, bytes, int]]) -> Iterator[Chunk]:
