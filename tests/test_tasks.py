@@ -90,24 +90,26 @@ def score(dataset: str, out: Path, world: int, nodes: int, micro: int, *extra: s
 
 
 @pytest.mark.parametrize(
-    ("world", "nodes", "micro", "mask"),
+    ("world", "nodes", "micro", "mask", "tp"),
     [
-        pytest.param(2, 1, 4, "causal", id="fsdp"),
-        pytest.param(4, 2, 2, "document", id="hsdp-document", marks=pytest.mark.slow),
+        pytest.param(2, 1, 4, "causal", 1, id="fsdp"),
+        pytest.param(4, 2, 2, "document", 1, id="hsdp-document", marks=pytest.mark.slow),
+        pytest.param(2, 1, 8, "causal", 2, id="tp", marks=pytest.mark.slow),
     ],
 )
 def test_same_logliks_on_one_process_fsdp_and_hsdp(
-    tiny_dataset: str, tmp_path: Path, world: int, nodes: int, micro: int, mask: str
+    tiny_dataset: str, tmp_path: Path, world: int, nodes: int, micro: int, mask: str, tp: int
 ) -> None:
     """fp32, after 2 steps: the summed log-likelihood of every request within 1e-5 of one
     process (whose each value is that request scored alone, unpadded), the same accuracies;
-    under document masking too (the context starts after an EOS: its own document)."""
+    under document masking too (the context starts after an EOS: its own document), and at
+    tp = 2 (the logits split over the vocabulary, under loss_parallel)."""
     extra = [f"--data.attention_mask={mask}", "--data.document_positions=true"] * (mask != "causal")
     if mask not in _REFERENCE:
         _REFERENCE[mask] = score(tiny_dataset, tmp_path / "one", 1, 1, 8, *extra)
     losses, scored, tags = _REFERENCE[mask]
     got_losses, got_scored, got_tags = score(
-        tiny_dataset, tmp_path / "dp", world, nodes, micro, *extra
+        tiny_dataset, tmp_path / "dp", world, nodes, micro, *extra, f"--parallel.tp={tp}"
     )
     torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=1e-5, atol=0)
     assert [name for name, *_ in scored] == ["lm", "mc"] == [name for name, *_ in got_scored]
