@@ -63,7 +63,7 @@ def train_and_score(argv: list[str]) -> tuple[list[float], list[Any]]:
 
 
 @torch.no_grad()
-def loglik_alone(model: torch.nn.Module, request: Any) -> float:
+def loglik_alone(model: Any, request: Any) -> float:
     tokens, n = torch.tensor(request.tokens), request.n_scored
     logprobs = model(tokens[None, :-1]).float().log_softmax(-1)[0]
     # Position p predicts token p + 1: the continuation is the last n tokens.
@@ -196,3 +196,27 @@ def test_the_debug_task_is_deterministic_and_real(tmp_path: Path) -> None:
         assert example["context"].endswith(lines[int(number) - 2] + "\n")
     task = load_task("next_line", TaskConfig(str(first)), ByteTokenizer(), EOS, seq_len=256)
     assert len(task.gold) == 20 and set(task.choices) == {4}
+
+
+@pytest.mark.slow
+def test_exported_checkpoint_scores_the_same_in_transformers(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """The trainer's summed log-likelihoods equal those transformers computes from the run's
+    last checkpoint, exported to Hugging Face files (fp32), within 1e-4."""
+    transformers = pytest.importorskip("transformers")
+    from checkpoint.export import main as export
+
+    _, scored, _ = score(tiny_dataset, tmp_path, 1, 1, 8, "--checkpoint.interval=2")
+    assert export([str(tmp_path / "eval/checkpoints/step-2"), str(tmp_path / "hf"),
+                   "--dtype", "float32"]) == 0  # fmt: skip
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32, local_files_only=True
+    ).eval()
+    for name, logliks, _ in scored:  # the files score() wrote
+        kind = "completion" if name == "lm" else "multiple_choice"
+        file = str(tmp_path / f"{name}.jsonl")
+        task = load_task(name, TaskConfig(file, kind), ByteTokenizer(), EOS, seq_len=32)
+        with torch.no_grad():
+            hf = [loglik_alone(lambda x: theirs(x).logits, r) for r in task.requests]
+        torch.testing.assert_close(torch.tensor(hf), torch.tensor(logliks), rtol=1e-4, atol=1e-4)
