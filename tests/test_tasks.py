@@ -220,3 +220,45 @@ def test_exported_checkpoint_scores_the_same_in_transformers(
         with torch.no_grad():
             hf = [loglik_alone(lambda x: theirs(x).logits, r) for r in task.requests]
         torch.testing.assert_close(torch.tensor(hf), torch.tensor(logliks), rtol=1e-4, atol=1e-4)
+
+
+ROWS = {
+    "hellaswag": {"activity_label": "Cooking", "ctx_a": "A man cracks an egg.",
+                  "ctx_b": "he", "endings": ["stirs it [title] well.", "sings."], "label": "1"},
+    "arc": {"question": "What melts ice?", "answerKey": "B",
+            "choices": {"text": ["cold", "heat", "dark"], "label": ["A", "B", "C"]}},
+    "piqa": {"goal": "Open a jar", "sol1": "twist the lid", "sol2": "eat the lid", "label": 0},
+}  # fmt: skip
+CONVERTED = {
+    "hellaswag": {"context": "Cooking: A man cracks an egg. He",
+                  "choices": [" stirs it. well.", " sings."], "gold": 1},
+    "arc": {"context": "Question: What melts ice?\nAnswer:",
+            "choices": [" cold", " heat", " dark"], "gold": 1},
+    "piqa": {"context": "Question: Open a jar\nAnswer:",
+             "choices": [" twist the lid", " eat the lid"], "gold": 0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", sorted(ROWS))
+def test_benchmark_layouts_convert_to_task_files(tmp_path: Path, layout: str) -> None:
+    """HellaSwag, ARC and PIQA rows (JSONL; ARC as parquet too) become lm-eval-harness's
+    prompts and continuations, in a file the trainer loads; a row of another layout is one
+    error naming the file and line."""
+    from data.convert_task import convert
+
+    source = tmp_path / f"{layout}.jsonl"
+    source.write_text(json.dumps(ROWS[layout]) + "\n")
+    assert convert(layout, source, tmp_path / "task.jsonl") == 1
+    assert json.loads((tmp_path / "task.jsonl").read_text()) == CONVERTED[layout]
+    task = load_task(layout, TaskConfig(str(tmp_path / "task.jsonl")), ByteTokenizer(), EOS, 64)
+    assert task.gold == (CONVERTED[layout]["gold"],)
+    if layout == "arc":
+        pq = pytest.importorskip("pyarrow.parquet")
+        import pyarrow as pa
+
+        pq.write_table(pa.Table.from_pylist([ROWS[layout]]), tmp_path / "arc.parquet")
+        assert convert(layout, tmp_path / "arc.parquet", tmp_path / "parquet.jsonl") == 1
+        assert (tmp_path / "parquet.jsonl").read_text() == (tmp_path / "task.jsonl").read_text()
+    source.write_text("\n" + json.dumps({"text": "not a benchmark row"}) + "\n")
+    with pytest.raises(ConfigError, match=f"'{source}' line 2: not a {layout} row"):
+        convert(layout, source, tmp_path / "bad.jsonl")
