@@ -196,6 +196,14 @@ def test_the_debug_task_is_deterministic_and_real(tmp_path: Path) -> None:
         assert example["context"].endswith(lines[int(number) - 2] + "\n")
     task = load_task("next_line", TaskConfig(str(first)), ByteTokenizer(), EOS, seq_len=256)
     assert len(task.gold) == 20 and set(task.choices) == {4}
+    # configs/debug.toml scores the file python -m data.prepare writes beside the stdlib data.
+    from configs import parse_config
+    from data.prepare import DEFAULT_OUT, NEXT_LINE_TASK
+    from launch.job import JobConfig
+
+    job = parse_config(JobConfig, [str(Path(__file__).parents[1] / "configs" / "debug.toml")])
+    assert job.eval.tasks["next_line"].path == f"{DEFAULT_OUT}/{NEXT_LINE_TASK}"
+    assert job.data.seq_len == 256 and job.data.path == DEFAULT_OUT
 
 
 @pytest.mark.slow
