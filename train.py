@@ -42,6 +42,7 @@ from configs import ConfigError, HelpRequested, config_to_toml, parse_config
 from data.documents import MicroBatch, micro_batch
 from data.loader import DataSource, build_dataloader
 from data.stream import SourceMeter
+from data.tasks import Task, task_batches, task_scores
 from launch.check import Plan, check_config, dry_run, unintended_settings
 from launch.job import JobConfig, OptimizerConfig
 from launch.lifecycle import (
@@ -271,7 +272,7 @@ def _train(
         summary = RunSummary(
             run.progress.step, job.train.steps, end.losses, end.val_loss,
             run.progress.tokens_seen, time.perf_counter() - end.started,
-            end.saved or (resumed and resumed.path), end.val_step,
+            end.saved or (resumed and resumed.path), end.val_step, end.scores,
         )  # fmt: skip
         reason = (stop.signal_name or "a signal to another rank") if end.stopped else None
         for line in summary.lines(reason, job.checkpoint.interval):
@@ -420,6 +421,8 @@ class LoopEnd:
     """The global training loss of every step this process ran."""
     val_loss: float | None = None
     val_step: int | None = None
+    scores: dict[str, float] = field(default_factory=dict)
+    """The eval tasks' metrics at val_step (eval/<task>/<metric>)."""
     saved: Path | None = None
     stopped: bool = False
     """A signal stopped the run before train.steps."""
@@ -467,7 +470,7 @@ def loop(
             scalars |= result.scalars | source_scalars | meter.summary() | memory_stats(run.device)
             metrics.log(step, scalars, eta_s=eta)
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
-            end.val_loss, end.val_step = validate(run, metrics, step), step
+            (end.val_loss, end.scores), end.val_step = validate(run, metrics, step), step
             timer.lap()  # evaluation time is not training throughput
         # After the optimizer step, so the checkpoint of step N holds N updates.
         if checkpointer.maybe_save(step, states, last=step == t.steps or result.stop):
@@ -489,9 +492,10 @@ def throughput_meter(run: Run) -> ThroughputMeter:
     return ThroughputMeter(job.metrics.warmup_steps, run.env.world_size, flops, peak)
 
 
-def validate(run: Run, metrics: MetricsLogger, step: int) -> float:
-    """Each source on its own validation split; loss/val is their mean (docs/data.md)."""
-    job, plan = run.job, run.plan
+def validate(run: Run, metrics: MetricsLogger, step: int) -> tuple[float, dict[str, float]]:
+    """Each source on its own validation split; loss/val is their mean (docs/data.md). Then
+    the eval tasks (docs/evaluation.md); returns loss/val and their scores."""
+    job, plan, started = run.job, run.plan, time.perf_counter()
     val_losses = {}
     for source in plan.sources:
         val = build_loader(job, plan, "val", run.dp_rank, run.dp_size, source)
@@ -501,8 +505,48 @@ def validate(run: Run, metrics: MetricsLogger, step: int) -> float:
                 run.model, val, n_val, run.to_batch, run.loss_fn
             )
     val_loss = sum(val_losses.values()) / len(val_losses)
-    metrics.log(step, {"loss/val": val_loss} | (val_losses if len(val_losses) > 1 else {}))
-    return val_loss
+    scores = score_tasks(run)
+    # Both end in a device-to-host copy: the time is the device's too.
+    elapsed = {"time/eval_s": time.perf_counter() - started}
+    per_source = val_losses if len(val_losses) > 1 else {}
+    metrics.log(step, {"loss/val": val_loss} | per_source | scores | elapsed)
+    return val_loss, scores
+
+
+def score_tasks(run: Run) -> dict[str, float]:
+    """Every eval task's metrics, as eval/<task>/<metric> (data/tasks.py)."""
+    scores = {}
+    for task in run.plan.tasks:
+        metrics = task_scores(task, task_logliks(run, task))
+        scores |= {f"eval/{task.name}/{name}": value for name, value in metrics.items()}
+    return scores
+
+
+@torch.no_grad()
+def task_logliks(run: Run, task: Task) -> torch.Tensor:
+    """The summed log-likelihood of each request of `task` (float64, the same on every rank):
+    each data-parallel rank scores its share, in as many forwards as every other rank."""
+    plan, rows = run.plan, run.job.eval.batch_size or run.job.train.micro_batch_size
+    logliks = torch.zeros(len(task.requests), dtype=torch.float64, device=run.device)
+    batches = task_batches(task, run.dp_rank, run.dp_size, rows,
+                           run.job.data.seq_len, trim=not run.job.compile.enabled)  # fmt: skip
+    for inputs, targets, ids in batches:
+        # As training sees a window: on the device, with document ids and positions under
+        # document masking (each request starts after an EOS, as a document does).
+        batch = run.to_batch(inputs, targets)
+        with loss_context(plan.tp):
+            logits = run.model(batch.inputs, document_ids=batch.document_ids,
+                               positions=batch.positions)  # fmt: skip
+            nll = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(),
+                                  reduction="none")  # fmt: skip
+        nll = nll.full_tensor() if isinstance(nll, DTensor) else nll
+        per_row = -nll.view(batch.targets.shape).double().sum(dim=1)
+        ids = ids.to(run.device)
+        logliks.index_add_(0, ids[ids >= 0], per_row[ids >= 0])
+    # Every request was scored on one dp rank, the others adding 0: the sum is exact. Its tp
+    # ranks computed the same value: / tp.
+    dist.all_reduce(logliks)
+    return (logliks / plan.tp).cpu()
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:

@@ -29,6 +29,7 @@ import glob
 import importlib
 import json
 import os
+import sysconfig
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -71,6 +72,20 @@ def _walk(root: Path, patterns: list[str], excluded_dirs: frozenset[str]) -> lis
             if any(fnmatch.fnmatch(name, p) for p in patterns):
                 files.append(Path(dirpath, name))
     return files
+
+
+# Third-party packages are not the standard library and differ from machine to machine.
+STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
+
+
+def stdlib_dir() -> Path:
+    """The running interpreter's standard-library directory (the default corpus)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def is_val(doc_key: str, val_fraction: float) -> bool:
+    """Hash-based split: stable per document, independent of corpus order and size."""
+    return zlib.crc32(doc_key.encode("utf-8")) % 1_000_000 < val_fraction * 1_000_000
 
 
 def find_files(

@@ -8,6 +8,7 @@ gzip- or zstd-compressed JSONL and parquet (``data.inputs``). Output layout (rea
     DIR/index.json          dtype, tokenizer, vocab_size, eos_id, bos_id, shards per split
     DIR/train-00000.bin     flat uint16 (or uint32) token ids, documents separated by EOS
     DIR/val-00000.bin
+    DIR/next_line.jsonl     with no --input: a task of held-out files (data/make_eval_task.py)
     DIR/train-00000.mask.bin  with --format prompt_response or chat (data/sft.py): one byte per
                               token, 1 where it is a target (a response's), 0 for context
 
@@ -24,9 +25,7 @@ import os
 import shutil
 import signal
 import sys
-import sysconfig
 import time
-import zlib
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -37,7 +36,17 @@ from tqdm import tqdm
 
 from configs import ConfigError
 from data.encode import Chunk, Encoded, encode_in_order
-from data.inputs import DEFAULT_PATTERN, NotText, check_inputs, find_files, iter_documents
+from data.inputs import (
+    DEFAULT_PATTERN,
+    STDLIB_EXCLUDED_DIRS,
+    NotText,
+    check_inputs,
+    find_files,
+    is_val,
+    iter_documents,
+    stdlib_dir,
+)
+from data.make_eval_task import write_task
 from data.sft import KINDS, load_format
 from data.sft import PATTERN as EXAMPLE_PATTERN
 from data.sft import Kind as ExampleKind
@@ -48,9 +57,9 @@ logger = logging.getLogger(__name__)
 
 SPLITS: tuple[Split, ...] = ("train", "val")
 DEFAULT_OUT = "outputs/data/stdlib"
-# Third-party packages are not the standard library and differ from machine to machine.
-STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 INDEX_VERSION = 1
+# The next-line task written beside the stdlib dataset (data/make_eval_task.py).
+NEXT_LINE_TASK = "next_line.jsonl"
 # Datasets with loss masks: a reader of version 1 would ignore the masks and train on prompts.
 MASKED_INDEX_VERSION = 2
 # One chunk is one task for a worker: big enough that sending it costs little next to
@@ -59,19 +68,9 @@ CHUNK_DOCS = 1024
 CHUNK_BYTES = 4 * 2**20
 
 
-def stdlib_dir() -> Path:
-    """The running interpreter's standard-library directory (the default corpus)."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask, e.g. a Slurm allocation)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def is_val(doc_key: str, val_fraction: float) -> bool:
-    """Hash-based split: stable per document, independent of corpus order and size."""
-    return zlib.crc32(doc_key.encode("utf-8")) % 1_000_000 < val_fraction * 1_000_000
 
 
 def _chunks(docs: Iterator[tuple[str, bytes, int]]) -> Iterator[Chunk]:
@@ -232,6 +231,7 @@ def prepare(
     if workers < 1:
         raise ConfigError(f"data prepare: --workers must be >= 1, got {workers}")
     examples = None if format == "text" else format
+    stdlib = not inputs
     inputs, pattern, files = _input_files(inputs, pattern, field, examples)
     out = Path(out_dir)
     check_out(out)
@@ -283,6 +283,9 @@ def prepare(
         if example_format is not None:  # what the masks mean, and how many targets they hold
             targets = {s: w.num_targets for s, w in writers.items()}
             index["examples"] = example_format.describe() | {"num_targets": targets}
+        # The quick start's task (configs/debug.toml), from the files this run holds out.
+        if stdlib and val_fraction > 0:
+            write_task(tmp / NEXT_LINE_TASK, val_fraction)
         # index.json last: a dataset directory without it is never treated as complete.
         (tmp / "index.json").write_text(json.dumps(index, indent=2) + "\n")
         replace_dir(tmp, out)

@@ -41,6 +41,7 @@ from data.loader import (
     check_token_ids,
     open_sources,
 )
+from data.tasks import Task, load_tasks
 from launch.job import JobConfig
 from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
@@ -84,6 +85,8 @@ class Plan:
     """Context-parallel degree (parallel/cp.py): each sequence split over cp ranks."""
     sources: tuple[DataSource, ...] = ()
     """The training sources (data.path, or the data.sources mixture), sorted by name."""
+    tasks: tuple[Task, ...] = ()
+    """The eval.tasks, read and tokenized (data/tasks.py); none when nothing evaluates."""
 
 
 def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
@@ -109,6 +112,13 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     sources = () if job.dry_run and not present else tuple(open_sources(job.data))
     if sources:
         check_dataset(job, args, sources)
+    tasks, task_files = (), [Path(task.path) for task in job.eval.tasks.values()]
+    # As for the data: a dry run may plan for task files that are not here (yet).
+    skip_tasks = job.dry_run and not all(file.exists() for file in task_files)
+    if sources and t.eval_interval > 0 and task_files and not skip_tasks:
+        if job.parallel.cp > 1:  # a request's tokens would be split over the cp ranks
+            raise ConfigError("eval.tasks with parallel.cp > 1: not supported yet")
+        tasks = load_tasks(job.eval, sources[0].index, job.data.seq_len)
     if job.parallel.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
     on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()
@@ -163,6 +173,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     return Plan(
         family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes),
         tp=job.parallel.tp, ep=job.parallel.ep, cp=job.parallel.cp, sources=sources,
+        tasks=tasks,
     )  # fmt: skip
 
 

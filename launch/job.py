@@ -16,6 +16,7 @@ from typing import Literal
 from checkpoint import CheckpointConfig
 from configs import ConfigError, check_folder_name
 from data.loader import DataConfig
+from data.tasks import EvalConfig
 from launch.metrics import MetricsConfig
 from model import ModelConfig
 from parallel.ac import ActivationCheckpointConfig
@@ -94,7 +95,8 @@ class TrainConfig:
     on_nonfinite: Literal["error", "skip"] = "error"
     """A NaN/inf loss or gradient norm stops the run ('error') or skips that update ('skip')."""
     eval_interval: int = 100
-    """Compute the validation loss every this many steps and at the end (0 = never)."""
+    """Compute the validation loss, and score the eval.tasks, every this many steps and at the
+    end (0 = never)."""
     eval_batches: int = 4
     """Global batches of the validation split per evaluation (at most what the split holds)."""
     max_skipped_steps: int = 10
@@ -134,6 +136,7 @@ class JobConfig:
     ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     dry_run: bool = False
     """Print the resolved config, mesh, parameter count, memory and communication plan, then
     exit."""

@@ -176,6 +176,8 @@ class RunSummary:
     checkpoint: Path | None
     val_step: int | None = None
     """The step val_loss was computed at."""
+    scores: dict[str, float] = field(default_factory=dict)
+    """The eval tasks' metrics at val_step (eval/<task>/<metric>)."""
 
     def lines(self, stop_signal: str | None, checkpoint_interval: int) -> list[str]:
         if stop_signal:
@@ -191,6 +193,8 @@ class RunSummary:
             parts.append(f"val_loss {self.val_loss:.4f}" + (f" (step {self.val_step})" * stale))
         parts.append(f"{self.tokens_seen:,} tokens seen")
         lines = [", ".join(parts)]
+        if self.scores:
+            lines.append("eval: " + format_scores(self.scores, ", "))
         if self.checkpoint is not None:
             lines.append(f"last checkpoint: {self.checkpoint}")
         elif checkpoint_interval == 0:
@@ -224,7 +228,16 @@ def format_scalars(scalars: dict[str, float]) -> str:
             parts.append(f"{short} {fmt.format(scalars[name])}")
     # A mixture's validation loss per source (loss/val/<source>), after the overall one.
     parts += [f"val_loss/{k[9:]} {v:.4f}" for k, v in scalars.items() if k.startswith("loss/val/")]
+    if scores := {k: v for k, v in scalars.items() if k.startswith("eval/")}:
+        parts.append(format_scores(scores, "  "))
+    if "time/eval_s" in scalars:
+        parts.append(f"eval_time {scalars['time/eval_s']:.1f}s")
     return "  ".join(parts)
+
+
+def format_scores(scores: dict[str, float], sep: str) -> str:
+    """'next_line/acc 0.412' for each eval/next_line/acc."""
+    return sep.join(f"{name[5:]} {value:.4f}" for name, value in scores.items())
 
 
 @contextlib.contextmanager

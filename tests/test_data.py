@@ -178,6 +178,8 @@ def test_default_corpus_is_the_stdlib(tmp_path: Path) -> None:
     non_empty = sum(1 for path, _ in files if path.stat().st_size > 0)
     assert sum(index["sources"]["num_documents"].values()) == non_empty
     assert open_dataset(tmp_path / "stdlib").num_tokens("train") > 1_000_000
+    # And the next-line task that configs/debug.toml scores (docs/evaluation.md).
+    assert len((tmp_path / "stdlib" / "next_line.jsonl").read_text().splitlines()) == 200
 
 
 # --- reading ---------------------------------------------------------------------------------

@@ -25,7 +25,16 @@ QUICK_START = (
     "python3 -m venv .venv && . .venv/bin/activate && "
     'pip install torch==2.13.0 -e ".[test]" && python -m pytest',
 )
-DOCS = ("configuration", "data", "finetuning", "parallelism", "checkpoints", "launch", "forking")
+DOCS = (
+    "configuration",
+    "data",
+    "evaluation",
+    "finetuning",
+    "parallelism",
+    "checkpoints",
+    "launch",
+    "forking",
+)
 WALKTHROUGH = ROOT / "docs" / "data.md"
 SECTION = "## From shards to a mixture, step by step"
 
