@@ -342,8 +342,10 @@ def test_resume_compares_the_fine_tuning_settings_every_checkpoint_saves(tmp_pat
     no format the trainer writes: one config error, not a run taken to have trained all."""
     job = parse_config(JobConfig, ["--data.path=unused"])
     text = config_to_toml(job)
-    assert "\n[" not in text.split("\n[lora]\n")[1]  # [lora] is the last table
-    without = re.sub(r"\n\[lora\]\n.*", "\n", text, flags=re.S).replace("\nfreeze = []\n", "\n")
+    # The [lora] table, up to the next table (or the end), and train.freeze: gone.
+    without = re.sub(r"\n\[lora\]\n.*?(?=\n\[|\Z)", "\n", text, flags=re.S)
+    without = without.replace("\nfreeze = []\n", "\n")
+    assert "[lora]" in text and "[lora]" not in without and "[eval]" in without
     for name, config in (("today", text), ("without", without)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
