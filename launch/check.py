@@ -123,8 +123,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     # and shapes (LoRA's adapters included), layer names and what trains. Patterns that match
     # nothing (lora.targets, train.freeze) fail here.
     built = build_model(family, args, job)
-    check_cp(job.parallel, job.data.seq_len, job.fp8.enabled, job.compile.enabled,
-             built.terms is not None, job.model.name)  # fmt: skip
+    check_cp(job.parallel, job.data.seq_len, built.terms is not None, job.model.name)
     meta_model = built.model
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
     # or unwritable path) surface here too, before anything could hang on them.

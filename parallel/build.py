@@ -107,7 +107,8 @@ def build_model(
         if mesh is None:
             built.float8 = float8_policy(model, fp8, candidates)
         else:
-            sharded = mesh["dp_shard"].size() > 1
+            # FSDP shards over dp_shard x cp (parallel/runtime.py dp_mesh): cp ranks gather too.
+            sharded = mesh["dp_shard"].size() * mesh["cp"].size() > 1
             built.float8 = apply_float8(model, fp8, candidates=candidates, weights_sharded=sharded)
             built._after_step.append(lambda: precompute_float8_scales(model, fp8))
     tp = 1 if mesh is None else mesh["tp"].size()

@@ -54,11 +54,11 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def check_cp(
-    cfg: ParallelConfig, seq_len: int, fp8: bool, compiled: bool, step_terms: bool, name: str
-) -> None:
+def check_cp(cfg: ParallelConfig, seq_len: int, step_terms: bool, name: str) -> None:
     """ConfigError, before any collective, for a context-parallel degree this run cannot take.
-    What is refused is what no test here has run, or what cp would silently change."""
+    What is refused is what cp would compute differently, or what cannot build yet. fp8 and
+    compiled blocks need nothing here: a float8 Linear works token by token, and Dynamo traces
+    the SplitMask and the gather's collectives (tests/test_cp.py)."""
     cp = cfg.cp
     if cp == 1:
         return
@@ -68,22 +68,19 @@ def check_cp(
             "chunks (each cp rank holds one early and one late chunk, for an even share of "
             "causal attention): choose a seq_len that 2 x cp divides"
         )
-    if step_terms:
+    if step_terms:  # also every run with parallel.ep > 1: only such families have experts
         raise ConfigError(
-            f"parallel.cp={cp}: model {name} adds loss terms per sequence (its step_terms, "
-            "e.g. an MoE's load-balancing loss), which cp would compute on parts of sequences"
+            f"parallel.cp={cp} is not supported for model {name} (nor parallel.ep with it): its "
+            "step_terms add a loss per whole sequence (an MoE's load balance multiplies a "
+            "sequence's expert shares by its mean router probabilities), which cp ranks holding "
+            "parts of a sequence would compute wrongly without a collective inside the model"
         )
-    refused = {
-        f"parallel.tp={cfg.tp}": cfg.tp > 1,
-        f"parallel.ep={cfg.ep}": cfg.ep > 1,
-        "fp8.enabled": fp8,
-        "compile.enabled": compiled,
-    }
-    if bad := [setting for setting, on in refused.items() if on]:
+    if cfg.tp > 1:
         raise ConfigError(
-            f"parallel.cp={cp} with {', '.join(bad)} is not supported yet (untested: "
-            "context parallel composes with FSDP, HSDP, activation checkpointing, LoRA, "
-            "train.freeze and document masking; docs/parallelism.md)"
+            f"parallel.cp={cp} with parallel.tp={cfg.tp} is not supported yet: FSDP over "
+            "dp_shard x cp runs on a mesh of its own (parallel/runtime.py dp_mesh), and FSDP2 "
+            "can join the tp DTensors' mesh only to a mesh derived from the same root "
+            "(flattening the root's dims takes the private DeviceMesh._flatten)"
         )
 
 
@@ -129,7 +126,11 @@ def split_batch(batch: Batch, rank: int, cp: int) -> Batch:
 
 class _GatherSequence(torch.autograd.Function):
     """(batch, heads, local seq, head_dim) -> the whole sequence, from every cp rank; backward:
-    each rank gets the sum over ranks of its rows' gradients (every rank's queries saw them)."""
+    each rank gets the sum over ranks of its rows' gradients (every rank's queries saw them).
+
+    Inside a compiled block Dynamo traces this Function whole (fullgraph) and rewrites its
+    in-place collectives as functional ones (torch.ops._c10d_functional), so it needs no
+    custom op and no `torch.compiler.disable`, which would break the graph at every layer."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
