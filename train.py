@@ -358,10 +358,10 @@ def train_step(run: Run, micro_batches: list[MicroBatch], stop: bool, log: bool)
             # undoes it. (cp ranks count different targets: each its own part of a sequence.)
             objective = loss * dp_size * cp * tp
             # The family's extra terms (an MoE's aux loss) are global means too, the same on
-            # every tp rank: x dp_size only.
+            # every tp rank, each cp rank's its part of its sequences' terms: x dp_size x cp.
             extra, extra_stats = run.built.collect(t.global_batch_size)
             if extra is not None:
-                objective = objective + extra * dp_size
+                objective = objective + extra * dp_size * cp
                 stats = extra_stats if stats is None else stats + extra_stats
             objective.backward()
         loss_sum += loss.detach()

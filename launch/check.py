@@ -93,6 +93,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     dp_replicate, dp_shard = resolve_dims(job.parallel, env)
     check_tp(family, args, job.parallel.tp, job.model.name)
     check_ep(family, args, job.parallel, dp_shard, job.compile.enabled, job.model.name)
+    check_cp(job.parallel, job.data.seq_len)
     dp = dp_replicate * dp_shard
     t = job.train
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:
@@ -123,7 +124,6 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     # and shapes (LoRA's adapters included), layer names and what trains. Patterns that match
     # nothing (lora.targets, train.freeze) fail here.
     built = build_model(family, args, job)
-    check_cp(job.parallel, job.data.seq_len, built.terms is not None, job.model.name)
     meta_model = built.model
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
     # or unwritable path) surface here too, before anything could hang on them.

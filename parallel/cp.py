@@ -54,11 +54,12 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def check_cp(cfg: ParallelConfig, seq_len: int, step_terms: bool, name: str) -> None:
+def check_cp(cfg: ParallelConfig, seq_len: int) -> None:
     """ConfigError, before any collective, for a context-parallel degree this run cannot take.
-    What is refused is what cp would compute differently, or what cannot build yet. fp8 and
-    compiled blocks need nothing here: a float8 Linear works token by token, and Dynamo traces
-    the SplitMask and the gather's collectives (tests/test_cp.py)."""
+    What is refused is what cannot build yet. fp8, compiled blocks and MoE families need
+    nothing here: a float8 Linear works token by token, Dynamo traces the SplitMask and the
+    gather's collectives, and an MoE sums its per-sequence counts over the split
+    (model/moe.py `aux_loss`); tests/test_cp.py runs each against one process."""
     cp = cfg.cp
     if cp == 1:
         return
@@ -68,12 +69,11 @@ def check_cp(cfg: ParallelConfig, seq_len: int, step_terms: bool, name: str) -> 
             "chunks (each cp rank holds one early and one late chunk, for an even share of "
             "causal attention): choose a seq_len that 2 x cp divides"
         )
-    if step_terms:  # also every run with parallel.ep > 1: only such families have experts
+    if cfg.ep > 1:
         raise ConfigError(
-            f"parallel.cp={cp} is not supported for model {name} (nor parallel.ep with it): its "
-            "step_terms add a loss per whole sequence (an MoE's load balance multiplies a "
-            "sequence's expert shares by its mean router probabilities), which cp ranks holding "
-            "parts of a sequence would compute wrongly without a collective inside the model"
+            f"parallel.cp={cp} with parallel.ep={cfg.ep} is not supported yet: the expert mesh "
+            "lays its ep groups over the (dp_replicate, dp_shard) ranks, without cp "
+            "(parallel/ep.py build_expert_mesh)"
         )
     if cfg.tp > 1:
         raise ConfigError(
@@ -169,10 +169,17 @@ class ContextSplit:
             document_ids = _gather(document_ids, self.group, self.cp, dim=1)
         local = self._local_seq
         spans = chunk_spans(self.rank, self.cp, local)
-        return split_mask(spans, local * self.cp, self.gather, document_ids, impl, self._device)
+        seq = local * self.cp
+        device = self._device
+        return split_mask(spans, seq, self.gather, document_ids, impl, device, self.sum_over_split)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return _GatherSequence.apply(x, self.group, self.cp)
+
+    def sum_over_split(self, x: torch.Tensor) -> torch.Tensor:
+        total = x.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return total
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         tokens = args[0] if args else kwargs["tokens"]
