@@ -56,10 +56,11 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_ten
 
 def check_cp(cfg: ParallelConfig, seq_len: int) -> None:
     """ConfigError, before any collective, for a context-parallel degree this run cannot take.
-    What is refused is what cannot build yet. fp8, compiled blocks and MoE families need
-    nothing here: a float8 Linear works token by token, Dynamo traces the SplitMask and the
-    gather's collectives, and an MoE sums its per-sequence counts over the split
-    (model/moe.py `aux_loss`); tests/test_cp.py runs each against one process."""
+    What is refused is what cannot build yet. tp, fp8, compiled blocks and MoE families need
+    nothing here: FSDP's dp_shard x cp mesh and the tp mesh share a root (parallel/runtime.py),
+    a float8 Linear works token by token, Dynamo traces the SplitMask and the gather's
+    collectives, and an MoE sums its per-sequence counts over the split (model/moe.py
+    `aux_loss`); tests/test_cp.py runs each against one process."""
     cp = cfg.cp
     if cp == 1:
         return
@@ -74,13 +75,6 @@ def check_cp(cfg: ParallelConfig, seq_len: int) -> None:
             f"parallel.cp={cp} with parallel.ep={cfg.ep} is not supported yet: the expert mesh "
             "lays its ep groups over the (dp_replicate, dp_shard) ranks, without cp "
             "(parallel/ep.py build_expert_mesh)"
-        )
-    if cfg.tp > 1:
-        raise ConfigError(
-            f"parallel.cp={cp} with parallel.tp={cfg.tp} is not supported yet: FSDP over "
-            "dp_shard x cp runs on a mesh of its own (parallel/runtime.py dp_mesh), and FSDP2 "
-            "can join the tp DTensors' mesh only to a mesh derived from the same root "
-            "(flattening the root's dims takes the private DeviceMesh._flatten)"
         )
 
 
