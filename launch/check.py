@@ -92,7 +92,8 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     args = family.build_args(job.model)
     dp_replicate, dp_shard = resolve_dims(job.parallel, env)
     check_tp(family, args, job.parallel.tp, job.model.name)
-    check_ep(family, args, job.parallel, dp_shard, job.compile.enabled, job.model.name)
+    fsdp_ranks = dp_shard * job.parallel.cp  # FSDP and EP take cp ranks as data-parallel ones
+    check_ep(family, args, job.parallel, fsdp_ranks, job.compile.enabled, job.model.name)
     check_cp(job.parallel, job.data.seq_len)
     dp = dp_replicate * dp_shard
     t = job.train

@@ -56,10 +56,10 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_ten
 
 def check_cp(cfg: ParallelConfig, seq_len: int) -> None:
     """ConfigError, before any collective, for a context-parallel degree this run cannot take.
-    What is refused is what cannot build yet. tp, fp8, compiled blocks and MoE families need
-    nothing here: FSDP's dp_shard x cp mesh and the tp mesh share a root (parallel/runtime.py),
-    a float8 Linear works token by token, Dynamo traces the SplitMask and the gather's
-    collectives, and an MoE sums its per-sequence counts over the split (model/moe.py
+    tp, ep, fp8, compiled blocks and MoE families need nothing here: FSDP's dp_shard x cp mesh
+    and the tp mesh share a root (parallel/runtime.py), EP groups span dp_shard x cp
+    (parallel/ep.py), a float8 Linear works token by token, Dynamo traces the SplitMask and the
+    gather's collectives, and an MoE sums its per-sequence counts over the split (model/moe.py
     `aux_loss`); tests/test_cp.py runs each against one process."""
     cp = cfg.cp
     if cp == 1:
@@ -69,12 +69,6 @@ def check_cp(cfg: ParallelConfig, seq_len: int) -> None:
             f"parallel.cp={cp} must split data.seq_len ({seq_len}) into 2 x cp = {2 * cp} equal "
             "chunks (each cp rank holds one early and one late chunk, for an even share of "
             "causal attention): choose a seq_len that 2 x cp divides"
-        )
-    if cfg.ep > 1:
-        raise ConfigError(
-            f"parallel.cp={cp} with parallel.ep={cfg.ep} is not supported yet: the expert mesh "
-            "lays its ep groups over the (dp_replicate, dp_shard) ranks, without cp "
-            "(parallel/ep.py build_expert_mesh)"
         )
 
 
