@@ -275,7 +275,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard}"
         + (f" x cp={plan.cp}" if plan.cp > 1 else "")
         + (f" x tp={plan.tp}" if plan.tp > 1 else "")
-        + (f" (ep={plan.ep} inside dp_shard)" if plan.ep > 1 else "")
+        + (f" (ep={plan.ep} inside dp_shard{' x cp' * (plan.cp > 1)})" if plan.ep > 1 else "")
         + " "
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
