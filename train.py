@@ -286,8 +286,9 @@ def setup(
     """The model as it will train (parallel/build.py), materialized and initialized on this
     rank's shards, and its optimizer and schedule."""
     expert_mesh = None
-    if plan.ep > 1:  # the experts split over groups of ep ranks inside dp_shard
-        expert_mesh = build_expert_mesh(device, plan.dp_replicate, plan.dp_shard, plan.ep)
+    if plan.ep > 1:  # the experts split over groups of ep ranks inside dp_shard (x cp)
+        fsdp_ranks = plan.dp_shard * plan.cp
+        expert_mesh = build_expert_mesh(device, plan.dp_replicate, fsdp_ranks, plan.ep)
     built = build_model(plan.family, plan.args, job, mesh, expert_mesh)
     model = built.model
     if env.rank == 0 and job.lora.enabled:
@@ -366,10 +367,10 @@ def train_step(run: Run, micro_batches: list[MicroBatch], stop: bool, log: bool)
             # undoes it. (cp ranks count different targets: each its own part of a sequence.)
             objective = loss * dp_size * cp * tp
             # The family's extra terms (an MoE's aux loss) are global means too, the same on
-            # every tp rank: x dp_size only.
+            # every tp rank, each cp rank's its part of its sequences' terms: x dp_size x cp.
             extra, extra_stats = run.built.collect(t.global_batch_size)
             if extra is not None:
-                objective = objective + extra * dp_size
+                objective = objective + extra * dp_size * cp
                 stats = extra_stats if stats is None else stats + extra_stats
             objective.backward()
         loss_sum += loss.detach()

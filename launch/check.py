@@ -98,7 +98,9 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     check_tp(family, args, job.parallel.tp, job.model.name)
     check_chunked_loss(family, job.train.loss_chunk_tokens, job.parallel.tp,
                        job.parallel.reshard_after_forward, job.model.name)  # fmt: skip
-    check_ep(family, args, job.parallel, dp_shard, job.compile.enabled, job.model.name)
+    fsdp_ranks = dp_shard * job.parallel.cp  # FSDP and EP take cp ranks as data-parallel ones
+    check_ep(family, args, job.parallel, fsdp_ranks, job.compile.enabled, job.model.name)
+    check_cp(job.parallel, job.data.seq_len)
     dp = dp_replicate * dp_shard
     t = job.train
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:
@@ -117,7 +119,10 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     skip_tasks = job.dry_run and not all(file.exists() for file in task_files)
     if sources and t.eval_interval > 0 and task_files and not skip_tasks:
         if job.parallel.cp > 1:  # a request's tokens would be split over the cp ranks
-            raise ConfigError("eval.tasks with parallel.cp > 1: not supported yet")
+            raise ConfigError(
+                "eval.tasks with parallel.cp > 1 is not supported yet: scoring reads every "
+                "logit of a request, which cp would split over ranks (drop eval.tasks or cp)"
+            )
         tasks = load_tasks(job.eval, sources[0].index, job.data.seq_len)
     if job.parallel.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
@@ -136,8 +141,6 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     # and shapes (LoRA's adapters included), layer names and what trains. Patterns that match
     # nothing (lora.targets, train.freeze) fail here.
     built = build_model(family, args, job)
-    check_cp(job.parallel, job.data.seq_len, job.fp8.enabled, job.compile.enabled,
-             built.terms is not None, job.model.name)  # fmt: skip
     meta_model = built.model
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
     # or unwritable path) surface here too, before anything could hang on them.
@@ -289,7 +292,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard}"
         + (f" x cp={plan.cp}" if plan.cp > 1 else "")
         + (f" x tp={plan.tp}" if plan.tp > 1 else "")
-        + (f" (ep={plan.ep} inside dp_shard)" if plan.ep > 1 else "")
+        + (f" (ep={plan.ep} inside dp_shard{' x cp' * (plan.cp > 1)})" if plan.ep > 1 else "")
         + " "
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )

@@ -95,8 +95,12 @@ provides, and `parallel/` may assume:
   router z-loss, coefficients (`args.aux_loss_coef`, `args.router_z_loss_coef`) applied, each
   computed **per sequence**, averaged over the MoE layers and **summed over the micro-batch's
   sequences**; divided by the step's sequences over all ranks it is a global mean like the main
-  loss. A sequence is never split across ranks or micro-batches, so it is the same for any mesh
-  and micro-batching; a loss balanced over each rank's batch would not be. Its statistics are
+  loss. A sequence is never split across micro-batches, so it is the same for any mesh and
+  micro-batching; a loss balanced over each rank's batch would not be. Context parallel does
+  split sequences: there each block's mask is a `SplitMask`, which the MoE layer takes to sum
+  each sequence's tokens per expert over the split (`sum_over_split`) and to divide by the
+  whole length, so each rank returns its part of the whole sequences' terms and the trainer
+  adds the parts (x cp). Its statistics are
   the aux value and the tokens routed to each expert (MoE layers, experts), logged per layer.
 - `expert_modules(model)`: each MoE layer's experts module (`model.moe.GroupedExperts`), inside
   its block: stacked weights with the expert as dim 0, computed with their local tensors

@@ -74,6 +74,11 @@ class SplitMask:
     kernel_mask: Mask | None
     """A BlockMask over (local queries, all keys) on CUDA, SDPA's boolean (batch or 1, 1, local
     seq, seq) mask on CPU; None for the chunked kernel, which takes `spans`."""
+    seq: int = 0
+    """Tokens in the whole sequence."""
+    sum_over_split: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """x (no gradient) summed over the ranks holding the other parts of the same sequences: for
+    a term of a whole sequence from its parts (an MoE's tokens per expert, model/moe.py)."""
 
 
 # Context parallel's hook: while it holds a function (parallel/cp.py sets it for the length of
@@ -110,6 +115,7 @@ def split_mask(
     document_ids: torch.Tensor | None,
     impl: str,
     device: torch.device,
+    sum_over_split: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> SplitMask:
     """The SplitMask of the local tokens `spans` (see SplitMask) of a sequence of `seq` tokens,
     whose document ids are `document_ids` (batch, seq), or None for causal attention."""
@@ -123,7 +129,7 @@ def split_mask(
         if document_ids is not None:
             kernel_mask = kernel_mask & (document_ids[:, rows, None] == document_ids[:, None, :])
         kernel_mask = kernel_mask.unsqueeze(1)  # broadcast over heads
-    return SplitMask(rows, spans, gather, document_ids, kernel_mask)
+    return SplitMask(rows, spans, gather, document_ids, kernel_mask, seq, sum_over_split)
 
 
 def attention(

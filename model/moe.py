@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
+from model.attention import Mask, SplitMask
+
 
 def local(weight: torch.Tensor) -> torch.Tensor:
     """The part of `weight` this device computes with. Tensor parallel keeps the whole MoE layer
@@ -160,10 +162,14 @@ class MoE(nn.Module):
         self.router = Router(dim, n_experts, top_k, norm_topk_prob)
         self.experts = GroupedExperts(dim, hidden, n_experts)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, mask: Mask | SplitMask | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (batch, seq, dim) -> (output (batch, seq, dim), the auxiliary loss summed over the
         batch's sequences (float32 scalar, coefficients applied), tokens per expert (experts,)
-        float32). Every input positional and returned: compile, AC and TP see plain tensors."""
+        float32). Every input positional and returned: compile, AC and TP see plain tensors.
+        `mask`: the block's attention mask; only a SplitMask (context parallel) matters here,
+        whose x holds parts of sequences (`aux_loss`)."""
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
         logits, probs, weights, chosen = self.router(tokens)
@@ -185,11 +191,17 @@ class MoE(nn.Module):
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=x.device)
         out = routed[inverse].view(-1, self.top_k, dim) * weights.unsqueeze(-1)
-        aux = self.aux_loss(logits, probs, chosen, batch)
+        split = mask if isinstance(mask, SplitMask) else None
+        aux = self.aux_loss(logits, probs, chosen, batch, split)
         return out.sum(dim=1).view(batch, seq, dim), aux, counts.float()
 
     def aux_loss(
-        self, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor, batch: int
+        self,
+        logits: torch.Tensor,
+        probs: torch.Tensor,
+        chosen: torch.Tensor,
+        batch: int,
+        split: SplitMask | None = None,
     ) -> torch.Tensor:
         """Coefficient-weighted auxiliary losses, each computed per sequence and summed over
         the batch's sequences (the trainer divides by the step's sequences; model/__init__.py):
@@ -199,18 +211,32 @@ class MoE(nn.Module):
           and P_e the mean router probability of e: top_k when balanced, more when not;
         - router z-loss (ST-MoE): the mean over the sequence's tokens of logsumexp(logits)^2,
           which keeps router logits small.
+
+        Under context parallel (`split`) each rank holds parts of the sequences: f needs the
+        whole sequence's counts, summed over the ranks (f carries no gradient), while P and the
+        z-loss's mean are sums over tokens, so each rank adds its tokens' share, divided by the
+        whole length. The ranks' results then add up to the terms of the whole sequences.
         """
         aux = probs.new_zeros(())
+        seq = chosen.shape[0] // batch
+        length = seq if split is None else split.seq
+
+        def mean_over_sequence(x: torch.Tensor) -> torch.Tensor:  # over dim 1, the sequence
+            return x.mean(dim=1) if split is None else x.sum(dim=1) / length
+
         if self.aux_loss_coef > 0:
             per_seq = chosen.view(batch, -1)
             # f is a count: no gradient flows through it (only through P, as in the paper).
-            f = probs.new_zeros(batch, self.n_experts).scatter_add_(
+            counts = probs.new_zeros(batch, self.n_experts).scatter_add_(
                 1, per_seq, probs.new_ones(per_seq.shape)
-            ) / (per_seq.shape[1] // self.top_k)
-            p = probs.view(batch, -1, self.n_experts).mean(dim=1)
+            )
+            if split is not None:
+                counts = split.sum_over_split(counts)
+            f = counts / length
+            p = mean_over_sequence(probs.view(batch, seq, self.n_experts))
             aux = aux + self.aux_loss_coef * self.n_experts * (f * p).sum()
         if self.router_z_loss_coef > 0:
-            z = torch.logsumexp(logits.float(), dim=-1).square().view(batch, -1).mean(dim=1)
+            z = mean_over_sequence(torch.logsumexp(logits.float(), dim=-1).square().view(batch, -1))
             aux = aux + self.router_z_loss_coef * z.sum()
         return aux
 

@@ -135,7 +135,7 @@ class TransformerBlock(nn.Module):
         """-> (x, this layer's aux loss summed over sequences, tokens per expert): the aux terms
         leave the block as outputs, never as state (compile, AC recompute, FSDP: model/)."""
         x = x + self.attention(self.attention_norm(x), rope, mask)
-        out, aux, load = self.moe(self.ffn_norm(x))
+        out, aux, load = self.moe(self.ffn_norm(x), mask)  # mask: its aux terms under cp
         return x + out, aux, load
 
 

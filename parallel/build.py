@@ -15,6 +15,7 @@ why each step comes where it does:
    FSDP (which then shards the float8-aware weights). Without a mesh: only the decisions.
 3. Tensor parallel (tp > 1), then expert parallel (an expert mesh): on the model on meta,
    before AC, compile and FSDP, which wrap or shard the split modules and DTensors they leave.
+   Its tp mesh comes from the root of FSDP's (`fsdp_and_tp_meshes`): FSDP2 joins them.
    Then context parallel (cp > 1): hooks around the root's forward, no module or parameter
    changed, so nothing after it sees a difference; activation checkpointing's recompute gets
    the split mask as a block input (parallel/cp.py).
@@ -48,7 +49,7 @@ from parallel.float8 import Float8Decision, apply_float8, float8_policy, precomp
 from parallel.freeze import apply_freeze
 from parallel.fsdp import apply_fsdp
 from parallel.lora import apply_lora
-from parallel.runtime import dp_mesh
+from parallel.runtime import fsdp_and_tp_meshes
 from parallel.tp import apply_tp
 from parallel.workarounds import tp_compile_workarounds
 
@@ -107,16 +108,19 @@ def build_model(
         if mesh is None:
             built.float8 = float8_policy(model, fp8, candidates)
         else:
-            sharded = mesh["dp_shard"].size() > 1
+            # FSDP shards over dp_shard x cp (parallel/runtime.py dp_mesh): cp ranks gather too.
+            sharded = mesh["dp_shard"].size() * mesh["cp"].size() > 1
             built.float8 = apply_float8(model, fp8, candidates=candidates, weights_sharded=sharded)
             built._after_step.append(lambda: precompute_float8_scales(model, fp8))
     tp = 1 if mesh is None else mesh["tp"].size()
+    if mesh is not None:
+        fsdp_mesh, tp_mesh = fsdp_and_tp_meshes(mesh)
     if tp > 1:  # 3
         # torchao's float8 styles hand the layer a float8 input, which LoRA's adapters would
         # then receive too; and gloo has no float8 collectives.
         float8_comm = fp8.enabled and fp8.recipe == "tensorwise" and not job.lora.enabled
         float8_comm = float8_comm and mesh.device_type == "cuda"
-        apply_tp(model, family, mesh["tp"], float8_collectives=float8_comm)
+        apply_tp(model, family, tp_mesh, float8_collectives=float8_comm)
     experts = apply_ep(model, family, expert_mesh) if expert_mesh is not None else None
     if mesh is not None and mesh["cp"].size() > 1:
         apply_cp(model, mesh["cp"])
@@ -134,5 +138,5 @@ def build_model(
     else:
         apply_ac(model, family.fsdp_units(model), job.ac)
         apply_compile(model, family.fsdp_units(model), job.compile)
-    apply_fsdp(model, family.fsdp_units(model), dp_mesh(mesh), job.parallel, experts)  # 6
+    apply_fsdp(model, family.fsdp_units(model), fsdp_mesh, job.parallel, experts)  # 6
     return built

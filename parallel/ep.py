@@ -4,6 +4,8 @@ token's hidden state travels to the ranks holding its experts and back by all-to
 **Which ranks.** The EP ranks come from inside dp_shard, as in torchtitan: dp_shard =
 expert_shard x ep, and the ep ranks of one group are *consecutive* dp_shard ranks (ep is the
 inner factor), so on a node they are neighbours and the all-to-alls run over its fast links.
+Under context parallel, dp_shard x cp in place of dp_shard: cp ranks are data-parallel ranks
+with other tokens, to EP as to FSDP.
 They stay data-parallel ranks: each still reads its own micro-batches, and the dense parameters
 keep today's sharding over all of dp_shard (and dp_replicate). Only the experts are split
 differently: over ep by expert (rank e of a group holds experts [e * n/ep, (e+1) * n/ep)), then
@@ -51,7 +53,8 @@ from parallel.tp import _not_norm_hint
 def check_ep(
     family: ModelFamily, args: Any, cfg: ParallelConfig, dp_shard: int, compiled: bool, name: str
 ) -> None:
-    """ConfigError for an expert-parallel degree this model, mesh and run cannot take."""
+    """ConfigError for an expert-parallel degree this model, mesh and run cannot take.
+    `dp_shard`: the ranks FSDP shards over, dp_shard x cp (`build_expert_mesh`)."""
     ep = cfg.ep
     if ep == 1:
         return
@@ -63,9 +66,10 @@ def check_ep(
             "holds the same number of experts"
         )
     if dp_shard % ep != 0:
+        ranks = f"dp_shard={dp_shard}" if cfg.cp == 1 else f"dp_shard x cp={dp_shard}"
         raise ConfigError(
-            f"parallel.ep={ep} must divide dp_shard={dp_shard}: the EP ranks are groups of "
-            "consecutive dp_shard ranks (parallel/ep.py)"
+            f"parallel.ep={ep} must divide {ranks}: the EP ranks are groups of "
+            "consecutive dp_shard (x cp) ranks (parallel/ep.py)"
         )
     if cfg.tp > 1:
         raise ConfigError(f"parallel.ep={ep} with parallel.tp={cfg.tp} is not supported")
@@ -96,7 +100,9 @@ def build_expert_mesh(
     device: torch.device, dp_replicate: int, dp_shard: int, ep: int
 ) -> DeviceMesh:
     """(dp_replicate, expert_shard, ep) over the same ranks as build_mesh's (dp_replicate,
-    dp_shard, 1): dp_shard index = expert_shard index * ep + ep index."""
+    dp_shard, cp, 1): dp_shard index * cp + cp index = expert_shard index * ep + ep index.
+    Pass `dp_shard` x cp: under context parallel an EP group may span cp ranks, which hold
+    other tokens like any data-parallel ranks (dispatch is per token), as in torchtitan."""
     return init_device_mesh(
         device.type,
         (dp_replicate, dp_shard // ep, ep),

@@ -1,13 +1,14 @@
 """FP8 training with torchao's float8 Linear, wired into FSDP2.
 
 Order matters: `apply_float8` swaps nn.Linear for torchao's Float8Linear *before* `apply_fsdp`, so
-FSDP shards the float8-aware weight wrappers. Where weights are sharded (dp_shard > 1) and
+FSDP shards the float8-aware weight wrappers. Where weights are sharded (dp_shard x cp > 1) and
 scaling is tensorwise, those wrappers cast to float8 before the all-gather
 (`enable_fsdp_float8_all_gather`), halving all-gather bytes against bf16, and
 `precompute_float8_scales` computes every layer's weight scale in one all-reduce after each
-optimizer step instead of one small all-reduce per layer in the next forward. With dp_shard = 1
-there is nothing to gather: both would only add eager casts of every full weight (measured on
-one H100: fp8 at 1.03x bf16 with them, 1.11x without), so both are off, as in torchtitan.
+optimizer step instead of one small all-reduce per layer in the next forward. With
+dp_shard x cp = 1 there is nothing to gather: both would only add eager casts of every full
+weight (measured on one H100: fp8 at 1.03x bf16 with them, 1.11x without), so both are off, as
+in torchtitan.
 
 Which layers: FP8 pays only on GEMMs big enough for the faster matmul to outweigh casting the
 inputs and weights; `float8_policy` decides per layer, with reasons (see `fp8.filter`).
@@ -191,8 +192,9 @@ def apply_float8(
     """Convert the layers `float8_policy` picks among `candidates` (the family's
     `fp8_linears`), in place; log and return its decisions.
 
-    `weights_sharded` (dp_shard > 1): all-gather weights in float8 (tensorwise). train.py
-    passes dp_shard > 1; with False there is no float8 all-gather and no scale precompute.
+    `weights_sharded` (FSDP's shard group, dp_shard x cp, has more than one rank): all-gather
+    weights in float8 (tensorwise); with False there is no float8 all-gather and no scale
+    precompute.
     """
     with _quiet_torchao_import():
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -208,7 +210,7 @@ def apply_float8(
     for line in describe_float8(decisions):
         logger.info(line)
     if cfg.recipe == "tensorwise" and chosen:
-        gather = "float8" if weights_sharded else "none (dp_shard = 1: nothing to gather)"
+        gather = "float8" if weights_sharded else "none (dp_shard x cp = 1: nothing to gather)"
         logger.info("fp8: all-gather of converted weights: %s", gather)
     return decisions
 

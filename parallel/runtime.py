@@ -72,23 +72,32 @@ def build_mesh(
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh handed to fully_shard: 1D (FSDP) unless there are replicas (HSDP). With tensor
-    parallel it is a sub-mesh of the 4D mesh, so FSDP composes with the TP DTensors on it.
-    Context parallel's ranks hold the same weights and see different tokens, exactly as
-    data-parallel ranks do: FSDP shards over dp_shard x cp (and reduces gradients over both),
-    a dimension made here (a new process group: every rank calls this at the same point)."""
+    """The mesh handed to fully_shard (`fsdp_and_tp_meshes`)."""
+    return fsdp_and_tp_meshes(mesh)[0]
+
+
+def fsdp_and_tp_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+    """The mesh handed to fully_shard, and the one tensor parallel splits over, from one root
+    (FSDP2 joins the two into one mesh for a TP DTensor and refuses meshes of two roots).
+
+    fully_shard's mesh is 1D (FSDP) unless there are replicas (HSDP). Context parallel's ranks
+    hold the same weights and see different tokens, exactly as data-parallel ranks do: FSDP
+    shards over dp_shard x cp (and reduces gradients over both), a dimension made here (new
+    process groups: every rank calls this once, at the same point)."""
     replicas, cp = mesh["dp_replicate"].size(), mesh["cp"].size()
     if cp > 1:
         # The same ranks as (dp_replicate, dp_shard, cp, tp) with the two middle dims as one
         # (cp is inner to dp_shard, so merging them keeps torchrun's rank order), built as a
-        # mesh of its own: public API, where torchtitan flattens with DeviceMesh._flatten.
+        # mesh of its own: public API, where torchtitan flattens with DeviceMesh._flatten. Its
+        # tp dim holds the same ranks as the 4D mesh's.
         shape = (replicas, mesh["dp_shard"].size() * cp, mesh["tp"].size())
         names = ("dp_replicate", "dp_shard_cp", "tp")
         merged = init_device_mesh(mesh.device_type, shape, mesh_dim_names=names)
-        return merged["dp_replicate", "dp_shard_cp"] if replicas > 1 else merged["dp_shard_cp"]
+        dp = merged["dp_replicate", "dp_shard_cp"] if replicas > 1 else merged["dp_shard_cp"]
+        return dp, merged["tp"]
     if replicas > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return mesh["dp_replicate", "dp_shard"], mesh["tp"]
+    return mesh["dp_shard"], mesh["tp"]
 
 
 def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
