@@ -13,6 +13,20 @@ WORDS = (
 ).split()
 
 
+# The files that take longest, longest first (BENCHMARKS.md, "Test suite"): xdist's two
+# workers take whole files in collection order, so these start at once and the many short files
+# fill in beside them, instead of a long file starting last and running alone at the end.
+SLOWEST_FIRST = (
+    "test_launch.py", "test_families.py", "test_tp.py", "test_finetune_hf.py",
+    "test_readme.py", "test_checkpoint.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    first = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: files keep order
+
+
 def write_corpus(root: Path, n_docs: int = 40, words_per_doc: int = 400, seed: int = 0) -> Path:
     """Deterministic pseudo-text (Python's `random` stream is stable across versions)."""
     rng = random.Random(seed)
