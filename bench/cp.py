@@ -1,7 +1,7 @@
 """Context parallel on CPU: tokens/s and peak memory per rank at cp 1, 2 and 4.
 
-    python bench/cp.py            # SDPA and chunked, 4k and 8k tokens, cp 1, 2, 4
-    python bench/cp.py --attention sdpa --seq-lens 8192 --cps 1,4
+    python bench/cp.py            # SDPA, 4k and 8k tokens, cp 1, 2, 4: 9 minutes on 2 cores
+    python bench/cp.py --attention chunked --seq-lens 8192 --out outputs/bench/cp-chunked.json
     python bench/cp.py --quick    # smoke run: proves the harness works, numbers mean nothing
 
 **Only the split changes.** Every run is 4 gloo ranks (torchrun; cores / 4 threads each, at
@@ -17,11 +17,12 @@ tokens (plus the whole sequence's keys and values that attention gathers), and t
 collectives: cp all-gathers K and V every layer and micro-batch, and accumulates cp
 micro-batches, each with FSDP's gathers.
 
-**Both CPU kernels** (`--attention`): at cp 1 SDPA runs `is_causal`, but under cp it takes a
-boolean mask of (local rows x whole sequence) (model/attention.py `split_mask`), which CPU
-SDPA turns into a float32 copy that it saves for backward, one per layer; the planner does not
-count it. The chunked kernel takes the split's spans instead: nothing of size rows x sequence
-is built, and the keys after a chunk are never touched.
+**The CPU kernels** (`--attention`: SDPA by default; chunked at 8k, ~7 minutes more): at cp
+1 SDPA runs `is_causal`, but under cp it takes a boolean mask of (local rows x whole
+sequence) (model/attention.py `split_mask`), which CPU SDPA turns into a float32 copy that it
+saves for backward, one per layer; the planner does not count it. The chunked kernel takes
+the split's spans instead: nothing of size rows x sequence is built, and the keys after a
+chunk are never touched.
 
 **Memory is VmHWM**, the kernel's peak resident set of each rank process, read from
 /proc/<pid>/status every 0.5 s while the run lasts (it only grows, so the last reading before
@@ -61,9 +62,9 @@ MODEL = [
     "configs/debug.toml", "--model.n_layers=4",
     f"--train.global_batch_size={WORLD}", "--train.micro_batch_size=1",
 ]  # fmt: skip
-# Every rank runs seq_len tokens a step: at cp 1 on this 2-core machine ~7 s at 4k and ~20 s
-# at 8k. One warm-up step (allocator, lazy init), then a sample per step: 2 samples keep the
-# default sweep near 12 minutes.
+# Every rank runs seq_len tokens a step: on this 2-core machine (SDPA) 7 s at 4k and 24 s at
+# 8k at cp 1, 13 and 45 s at cp 2 and 4. One warm-up step (allocator, lazy init), then a
+# sample per step: 2 samples keep the default sweep at 9 minutes.
 SCHEDULE = Schedule(steps=3, warmup=1, interval=1)
 RSS_RE = re.compile(r"\brss ([\d.]+)GiB")
 GIB = 2**30
@@ -234,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seq-lens", default="4096,8192", help="comma-separated data.seq_len values")
     p.add_argument("--cps", default="1,2,4", help="comma-separated cp degrees (1 first: the base)")
-    p.add_argument(
-        "--attention", default="sdpa,chunked", help="comma-separated model.attention kernels"
-    )
+    p.add_argument("--attention", default="sdpa", help="comma-separated model.attention kernels")
     p.add_argument("--rounds", type=int, default=1, help="runs per case, the cases alternating")
     p.add_argument("--quick", action="store_true", help="2 steps of 64 tokens: harness check")
     p.add_argument("--out", type=Path, default=REPO / "outputs/bench/cp.json")
