@@ -7,6 +7,7 @@
     python bench/gpu.py --suite documents   # 1B at 8k: document masking (flex) vs causal
     python bench/gpu.py --suite finetune    # 1B at 8k: full vs half frozen vs LoRA rank 16
     python bench/gpu.py --suite moe     # 4 layers of Qwen3-30B-A3B, grouped GEMM: eager, compile
+    python bench/gpu.py --suite cp      # 2+ GPUs: 1B at 32k and 64k, cp = GPUs, chunked loss
     python bench/gpu.py --smoke         # the debug model on any device: checks the harness only
 
 `--profile` has each case profile its last step with the trainer's own
@@ -16,9 +17,11 @@ kernels), collectives and other, each as time and share of the step's span, with
 (any kernel running) against the span. On CPU the trace has no kernels: CPU ops are grouped by
 self time instead, which is what `--smoke --profile` checks.
 
-Every case is `python train.py` on one process (FSDP2 on a one-rank mesh, as always) with the
-trainer's own metrics; this script parses rank 0's `step N ... tok/s X ... tflops/dev Y ...
-mem Z` lines after warm-up (compilation included in warm-up) and takes medians. MFU is
+Every case is `python train.py` on one process (FSDP2 on a one-rank mesh, as always), except
+the cp suite's, which run under torchrun, one rank per visible GPU; each with the trainer's
+own metrics. This script parses rank 0's `step N ... tok/s X ... tflops/dev Y ... mem Z`
+lines (tok/s of all ranks, TFLOP/s and memory of one GPU) after warm-up (compilation
+included in warm-up) and takes medians. MFU is
 reported against the device's dense **bf16** peak for every case, fp8 included, so the
 columns compare (the trainer's own log line uses the fp8 peak for fp8 runs).
 
@@ -54,6 +57,7 @@ COMPILE = ["--compile.enabled=true"]
 # The tied embedding and blocks 0-5 of the 1B flavor: 628M of its 1.24B parameters.
 HALF_1B = "tok_embeddings.*,layers.[0-5].*"
 FP8 = ["--fp8.enabled=true"]
+CHUNKED_LOSS = ["--train.loss_chunk_tokens=4096"]
 SUITES = {
     # Issue "scale and speed": target >= 45% MFU for bf16 + compile.
     "1b": {
@@ -122,6 +126,24 @@ SUITES = {
         "smoke": ["--model.name=qwen3_moe"],
         "baseline": "bf16 eager",
         "cases": {"bf16 eager": [], "bf16 compile": COMPILE},
+    },
+    # Issue #34 (context parallel): one sequence of 32k or 64k tokens per step split over all
+    # the visible GPUs (parallel.cp = GPUs, one data-parallel rank; FSDP over the cp ranks), the
+    # 1B flavor at its vocabulary of 128,256, compiled, full AC, without and with the chunked
+    # loss. Per GPU at cp 2 the planner counts 20.5 and 14.6 GiB at 32k, 31.0 and 17.3 GiB at
+    # 64k (the compiled loss's logits: 7.8 and 15.7 GiB whole, 2.0 in chunks of 4096); without
+    # AC, 64k at cp 2 would need 81 GiB. "all_gpus": one rank per GPU under torchrun, and the
+    # suite is refused below 2 GPUs.
+    "cp": {
+        "model": ["--model.flavor=1B", *SEQ, *COMPILE, "--ac.mode=full"],
+        "all_gpus": True,
+        "baseline": "bf16 compile 32k",
+        "cases": {
+            "bf16 compile 32k": ["--data.seq_len=32768"],
+            "bf16 compile 32k chunked loss": ["--data.seq_len=32768", *CHUNKED_LOSS],
+            "bf16 compile 64k": ["--data.seq_len=65536"],
+            "bf16 compile 64k chunked loss": ["--data.seq_len=65536", *CHUNKED_LOSS],
+        },
     },
 }
 SMOKE_MODEL = ["--model.flavor=debug", "--data.seq_len=128", "--train.micro_batch_size=2"]
@@ -258,9 +280,14 @@ def profile_table(profile: dict) -> list[str]:
     return lines
 
 
-def run_case(suite: str, name: str, args: list[str], opts: argparse.Namespace) -> dict:
+def run_case(
+    suite: str, name: str, args: list[str], opts: argparse.Namespace, ranks: int = 1
+) -> dict:
     label = re.sub(r"[^a-z0-9]+", "-", f"{suite} {name}".lower()).strip("-")
-    cmd = [sys.executable, "train.py", *COMMON, *args, f"--train.steps={opts.steps}"]
+    cmd = [sys.executable, "train.py"]
+    if ranks > 1:
+        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    cmd += [*COMMON, *args, f"--train.steps={opts.steps}"]
     cmd += [f"--metrics.warmup_steps={opts.warmup}", f"--metrics.log_interval={opts.interval}"]
     cmd += [f"--run.output_dir={opts.out.parent / 'runs'}", f"--run.name={label}"]
     if opts.profile:  # the last step, left out of the throughput samples
@@ -270,6 +297,7 @@ def run_case(suite: str, name: str, args: list[str], opts: argparse.Namespace) -
     log = proc.stdout + proc.stderr
     (opts.out.parent / f"{label}.log").write_text(log)
     result = {"suite": suite, "case": name, "command": shlex.join(cmd[1:]), "ok": False}
+    result["ranks"] = ranks
     result["wall_s"] = round(time.perf_counter() - start, 1)
     if proc.returncode != 0:
         # One case failing (fp8 on an old GPU, compile on an odd toolchain) must not cost
@@ -310,8 +338,9 @@ def markdown(report: dict) -> str:
             base = by_name.get(baseline or r["case"].replace("fp8", "bf16", 1))
             ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base and base is not r else ""
             mfu = f"{r['mfu_bf16_pct']:.1f}%" if "mfu_bf16_pct" in r else "-"
+            case = r["case"] + (f" (cp {r['ranks']})" if r.get("ranks", 1) > 1 else "")
             lines.append(
-                f"| {r['case']} | {r['tok_s']:,.0f} | {r.get('tflops', 0):.1f} | {mfu} | "
+                f"| {case} | {r['tok_s']:,.0f} | {r.get('tflops', 0):.1f} | {mfu} | "
                 f"{r.get('mem_gib', 0):.1f} | {ratio} |"
             )
         for r in rows:
@@ -334,11 +363,21 @@ def main(argv: list[str] | None = None) -> int:
     opts = p.parse_args(argv)
     if opts.smoke:
         opts.steps, opts.warmup, opts.interval = 4, 2, 1
+    import torch
+
+    gpus = torch.cuda.device_count()
+    suites = list(SUITES) if opts.suite == "all" else [opts.suite]
+    # A multi-rank suite takes every GPU (the smoke: 2 ranks, gloo on CPU); it needs two.
+    ranks = {s: (2 if opts.smoke else gpus) if SUITES[s].get("all_gpus") else 1 for s in suites}
+    for suite in [s for s in suites if ranks[s] < 2 and SUITES[s].get("all_gpus")]:
+        refusal = f"bench/gpu.py --suite {suite} needs 2 or more GPUs; {gpus} visible"
+        if opts.suite == suite:
+            sys.exit(refusal)
+        print(f"{refusal}: skipped", file=sys.stderr)
+        suites.remove(suite)
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     if not (REPO / "outputs/data/stdlib").exists():
         subprocess.run([sys.executable, "-m", "data.prepare"], cwd=REPO, check=True)
-    import torch
-
     opts.peak = bf16_peak()
     report = {
         "machine": machine_facts(),
@@ -347,12 +386,15 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": opts.smoke,
         "results": [],
     }
-    for suite in SUITES if opts.suite == "all" else [opts.suite]:
-        # --smoke: the family's debug flavor (a suite may name its family).
+    for suite in suites:
+        # --smoke: the family's debug flavor (a suite may name its family), after the case's
+        # own arguments so that its short sequences win over a case's sequence length.
         smoke = [*SMOKE_MODEL, *SUITES[suite].get("smoke", [])]
-        model = smoke if opts.smoke else SUITES[suite]["model"]
+        model = [] if opts.smoke else SUITES[suite]["model"]
+        split = [f"--parallel.cp={ranks[suite]}"] if SUITES[suite].get("all_gpus") else []
         for name, args in SUITES[suite]["cases"].items():
-            report["results"].append(run_case(suite, name, [*model, *args], opts))
+            args = [*model, *args, *split, *(smoke if opts.smoke else [])]
+            report["results"].append(run_case(suite, name, args, opts, ranks[suite]))
     opts.out.write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(report))
     return 0 if all(r["ok"] for r in report["results"]) else 1

@@ -1,9 +1,9 @@
 """Context parallel (parallel.cp, parallel/cp.py): the split and its inverse, the config errors,
-the chunked kernel's offset queries, fp32 losses and gradients at cp 2 (causal and
+the chunked kernel's offset queries, fp32 losses and gradients at cp 2 and cp 4 (causal and
 document-masked with per-document positions, SDPA and the chunked kernel, with and without
-activation checkpointing) equal to one process, float8, compiled blocks and the MoE family at
-cp 2, the trainer at cp 2 x dp_shard 2, and a cp 2 checkpoint resumed on 1 process and on
-dp_shard 2."""
+activation checkpointing; llama3, and qwen3 at cp 2) equal to one process, float8, compiled
+blocks and the MoE family at cp 2, the trainer at cp 2 x dp_shard 2, and a cp 2 checkpoint
+resumed on 1 process and on dp_shard 2."""
 
 from __future__ import annotations
 
@@ -181,24 +181,32 @@ CASES = [
 ]
 
 
-def losses_and_grads(dims: tuple[int, int, int], cases: list = CASES, extra: str = "") -> dict:
+# The parity model of each family: dim 64, 2 layers, 4 query and 2 key/value heads, and what
+# the family needs beyond the shared fields to stay that small.
+SHAPES: dict[str, dict] = {"llama3": {}, "qwen3": {"head_dim": 16, "ffn_dim": 128}}
+
+
+def losses_and_grads(
+    dims: tuple[int, int, int], cases: list = CASES, extra: str = "", family: str = "llama3"
+) -> dict:
     """For each of `cases` (attention, mask, ac): the summed loss over the global batch and every
     gradient, on a (dp_replicate, dp_shard, cp) mesh in fp32, the loss divided by the global
     target count as train.py does; and the same on one plain model in this process. `extra`:
     'fp8' (emulated float8 Linears on both, the reference on one process too) or 'compile' (the
-    split model's blocks compiled, fullgraph, the reference eager)."""
+    split model's blocks compiled, fullgraph, the reference eager). `family`: a key of
+    SHAPES."""
     from parallel.runtime import build_mesh, init_distributed
 
     init_distributed(torch.device("cpu"), LaunchEnv.from_env(), 60)
     mesh = build_mesh(torch.device("cpu"), dims[0], dims[1], cp=dims[2])
     windows = packed_windows(4, torch.Generator().manual_seed(0))
-    results = {case: one_case(mesh, windows, *case, extra) for case in cases}
+    results = {case: one_case(mesh, windows, *case, extra, family) for case in cases}
     torch.distributed.destroy_process_group()
     return results
 
 
 def one_case(
-    mesh: DeviceMesh, windows: torch.Tensor, impl: str, mask: str, ac: str, extra: str
+    mesh: DeviceMesh, windows: torch.Tensor, impl: str, mask: str, ac: str, extra: str, name: str
 ) -> dict:
     """One case of `losses_and_grads` on `mesh`."""
     from data.documents import micro_batch
@@ -216,9 +224,10 @@ def one_case(
     device = torch.device("cpu")
     dp_rank, dp_size = dp_rank_and_size(mesh)
     cp_rank, cp = mesh["cp"].get_local_rank(), mesh["cp"].size()
-    family = get_family("llama3")
+    family = get_family(name)
     fp8 = Float8Config(enabled=True, emulate=True, filter="none")
-    cfg = ModelConfig("llama3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB)
+    cfg = ModelConfig(name, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
+                      **SHAPES[name])  # fmt: skip
     cfg.attention = impl
     args = family.build_args(cfg)
     data = DataConfig(attention_mask="document", document_positions=True)
@@ -278,6 +287,23 @@ def test_cp2_losses_and_gradients_equal_one_process() -> None:
     positions; SDPA and the chunked kernel; full AC, whose recompute gathers again) gives the
     one-process loss and gradients within 1e-5."""
     assert_parity(run_distributed(losses_and_grads, 2, (1, 1, 2))[0])
+
+
+@pytest.mark.slow
+def test_cp4_losses_and_gradients_equal_one_process() -> None:
+    """cp 4 on 4 ranks, each holding two chunks of 4 of the 32 tokens (its K/V gather joins 4
+    parts, the reduce-scatter of their gradients sums 4): every case of CASES gives the
+    one-process loss and gradients within 1e-5."""
+    assert_parity(run_distributed(losses_and_grads, 4, (1, 1, 4))[0])
+
+
+@pytest.mark.slow
+def test_qwen3_at_cp2_losses_and_gradients_equal_one_process() -> None:
+    """qwen3, the other dense family (per-head RMSNorm of q and k on each rank's own tokens
+    before the gather, tied embeddings), at cp 2: every case of CASES gives the one-process
+    loss and gradients within 1e-5. It calls the shared `document_mask` and `attention`, as
+    the model contract asks, and needs nothing of cp itself."""
+    assert_parity(run_distributed(losses_and_grads, 2, (1, 1, 2), CASES, "", "qwen3")[0])
 
 
 @pytest.mark.slow
