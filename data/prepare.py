@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
-from typing import Literal, TextIO
+from typing import Any, Literal, TextIO
 
 import numpy as np
 from tqdm import tqdm
@@ -199,6 +199,75 @@ def _input_files(
     return inputs, pattern, files
 
 
+def _index(
+    tok: Any,
+    out: Path,
+    dtype: np.dtype,
+    writers: dict[str, ShardWriter],
+    num_docs: dict[str, int],
+    inputs: list[str],
+    pattern: str | None,
+    example_format: Any,
+) -> dict[str, Any]:
+    """What index.json records of a prepared dataset: its shards, token type and tokenizer, and
+    (for examples) what the loss masks mean."""
+    index = {
+        "version": INDEX_VERSION if example_format is None else MASKED_INDEX_VERSION,
+        "dtype": dtype.name,
+        "tokenizer": index_entry(tok.describe(), out),
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        # Read by the Hugging Face export (config.json); null for a tokenizer without BOS.
+        "bos_id": tok.bos_id,
+        "splits": {s: w.shards for s, w in writers.items()},
+        "sources": {"num_documents": num_docs, "inputs": inputs, "pattern": pattern},
+    }
+    if example_format is not None:  # what the masks mean, and how many targets they hold
+        targets = {s: w.num_targets for s, w in writers.items()}
+        index["examples"] = example_format.describe() | {"num_targets": targets}
+    return index
+
+
+def _log_prepared(
+    out: Path,
+    seconds: float,
+    tok: Any,
+    dtype: np.dtype,
+    writers: dict[str, ShardWriter],
+    num_docs: dict[str, int],
+    not_text: NotText,
+) -> None:
+    """What a finished prepare logs: the inputs it skipped, then one line of what it wrote."""
+    masked = writers["train"].masked
+    for warning in not_text.warnings():  # one line per kind, naming the first few files
+        logger.warning("%s", warning)
+    tokens = {s: f"{sum(sh['num_tokens'] for sh in w.shards):,} tokens" for s, w in writers.items()}
+    if masked:  # "train 7329 examples 70,371 tokens (26,397 targets)"
+        tokens = {s: f"{n} ({writers[s].num_targets:,} targets)" for s, n in tokens.items()}
+    logger.info(
+        "prepared %s in %.1fs: train %d %s %s, val %d %s %s (%s, vocab %d, %s%s)",
+        out, seconds, num_docs["train"], "examples" if masked else "docs",
+        tokens["train"], num_docs["val"], "examples" if masked else "docs", tokens["val"],
+        tok.describe()["kind"], tok.vocab_size, dtype.name, not_text.summary(),
+    )  # fmt: skip
+
+
+def _check_numbers(
+    val_fraction: float, shard_tokens: int, workers: int | None, tokenizer_path: str | None
+) -> int:
+    """ConfigError for a number prepare cannot use; returns the worker count (by default 1
+    for bytes, the usable CPUs for a tokenizer.json)."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ConfigError(f"data prepare: --val-fraction must be in [0, 1), got {val_fraction}")
+    if shard_tokens < 1:
+        raise ConfigError(f"data prepare: --shard-tokens must be >= 1, got {shard_tokens}")
+    if workers is None:
+        workers = 1 if tokenizer_path is None else usable_cpus()
+    if workers < 1:
+        raise ConfigError(f"data prepare: --workers must be >= 1, got {workers}")
+    return workers
+
+
 def prepare(
     inputs: list[str] | None,
     out_dir: str | Path,
@@ -222,14 +291,7 @@ def prepare(
     that import the caller's main module: a script calling this needs ``if __name__ == "__main__"``.
     """
     start = time.perf_counter()
-    if not 0.0 <= val_fraction < 1.0:
-        raise ConfigError(f"data prepare: --val-fraction must be in [0, 1), got {val_fraction}")
-    if shard_tokens < 1:
-        raise ConfigError(f"data prepare: --shard-tokens must be >= 1, got {shard_tokens}")
-    if workers is None:
-        workers = 1 if tokenizer_path is None else usable_cpus()
-    if workers < 1:
-        raise ConfigError(f"data prepare: --workers must be >= 1, got {workers}")
+    workers = _check_numbers(val_fraction, shard_tokens, workers, tokenizer_path)
     examples = None if format == "text" else format
     stdlib = not inputs
     inputs, pattern, files = _input_files(inputs, pattern, field, examples)
@@ -269,20 +331,7 @@ def prepare(
                 "give more documents or a smaller --val-fraction"
             )
 
-        index = {
-            "version": INDEX_VERSION if example_format is None else MASKED_INDEX_VERSION,
-            "dtype": dtype.name,
-            "tokenizer": index_entry(tok.describe(), out),
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
-            # Read by the Hugging Face export (config.json); null for a tokenizer without BOS.
-            "bos_id": tok.bos_id,
-            "splits": {s: w.shards for s, w in writers.items()},
-            "sources": {"num_documents": num_docs, "inputs": inputs, "pattern": pattern},
-        }
-        if example_format is not None:  # what the masks mean, and how many targets they hold
-            targets = {s: w.num_targets for s, w in writers.items()}
-            index["examples"] = example_format.describe() | {"num_targets": targets}
+        index = _index(tok, out, dtype, writers, num_docs, inputs, pattern, example_format)
         # The quick start's task (configs/debug.toml), from the files this run holds out.
         if stdlib and val_fraction > 0:
             write_task(tmp / NEXT_LINE_TASK, val_fraction)
@@ -293,17 +342,7 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-    for warning in not_text.warnings():  # one line per kind, naming the first few files
-        logger.warning("%s", warning)
-    tokens = {s: f"{sum(sh['num_tokens'] for sh in w.shards):,} tokens" for s, w in writers.items()}
-    if masked:  # "train 7329 examples 70,371 tokens (26,397 targets)"
-        tokens = {s: f"{n} ({writers[s].num_targets:,} targets)" for s, n in tokens.items()}
-    logger.info(
-        "prepared %s in %.1fs: train %d %s %s, val %d %s %s (%s, vocab %d, %s%s)",
-        out, time.perf_counter() - start, num_docs["train"], "examples" if masked else "docs",
-        tokens["train"], num_docs["val"], "examples" if masked else "docs", tokens["val"],
-        tok.describe()["kind"], tok.vocab_size, dtype.name, not_text.summary(),
-    )  # fmt: skip
+    _log_prepared(out, time.perf_counter() - start, tok, dtype, writers, num_docs, not_text)
     return out
 
 

@@ -89,6 +89,22 @@ class Plan:
     """The eval.tasks, read and tokenized (data/tasks.py); none when nothing evaluates."""
 
 
+def check_tasks(job: JobConfig, sources: tuple) -> tuple:
+    """The eval.tasks read and tokenized (none without data, or without evaluation); a task
+    file that is missing or malformed is a ConfigError naming its file and line."""
+    task_files = [Path(task.path) for task in job.eval.tasks.values()]
+    # As for the data: a dry run may plan for task files that are not here (yet).
+    skip = job.dry_run and not all(file.exists() for file in task_files)
+    if not sources or job.train.eval_interval <= 0 or not task_files or skip:
+        return ()
+    if job.parallel.cp > 1:  # a request's tokens would be split over the cp ranks
+        raise ConfigError(
+            "eval.tasks with parallel.cp > 1 is not supported yet: scoring reads every "
+            "logit of a request, which cp would split over ranks (drop eval.tasks or cp)"
+        )
+    return load_tasks(job.eval, sources[0].index, job.data.seq_len)
+
+
 def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     """Cross-section checks. Every rank runs them on the same inputs, so every rank raises the
     same ConfigError and exits before a collective could wait on a missing peer."""
@@ -114,16 +130,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     sources = () if job.dry_run and not present else tuple(open_sources(job.data))
     if sources:
         check_dataset(job, args, sources)
-    tasks, task_files = (), [Path(task.path) for task in job.eval.tasks.values()]
-    # As for the data: a dry run may plan for task files that are not here (yet).
-    skip_tasks = job.dry_run and not all(file.exists() for file in task_files)
-    if sources and t.eval_interval > 0 and task_files and not skip_tasks:
-        if job.parallel.cp > 1:  # a request's tokens would be split over the cp ranks
-            raise ConfigError(
-                "eval.tasks with parallel.cp > 1 is not supported yet: scoring reads every "
-                "logit of a request, which cp would split over ranks (drop eval.tasks or cp)"
-            )
-        tasks = load_tasks(job.eval, sources[0].index, job.data.seq_len)
+    tasks = check_tasks(job, sources)
     if job.parallel.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
     on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()

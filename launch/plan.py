@@ -22,7 +22,7 @@ import argparse
 from model import ModelConfig, get_family
 from parallel.float8 import Float8Config
 from parallel.lora import LoRAConfig
-from parallel.plan import BYTES, model_shape, plan_communication, plan_memory
+from parallel.plan import BYTES, ModelShape, model_shape, plan_communication, plan_memory
 
 
 def comm_seconds(
@@ -74,7 +74,7 @@ def format_plan(
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="8B", help="the family's flavor (default 8B)")
     p.add_argument("--family", default=ModelConfig().name, help="the trainer's --model.name")
@@ -102,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
                    "(0: the whole sequence's logits at once; not with TP)")  # fmt: skip
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on lora.targets' "
                    "default layers (0: no LoRA)")  # fmt: skip
-    a = p.parse_args(argv)
-    family = get_family(a.family)
-    args = family.build_args(ModelConfig(name=a.family, flavor=a.model))
-    lora = LoRAConfig(enabled=True, rank=a.lora_rank) if a.lora_rank > 0 else None
-    shape = model_shape(family, args, Float8Config(enabled=a.fp8), lora, a.freeze)
+    return p
+
+
+def _meshes(a: argparse.Namespace, shape: ModelShape) -> dict[str, tuple[int, int, int, int, int]]:
+    """The meshes to compare: name -> (dp_replicate, dp_shard, tp, ep, cp)."""
     world = a.nodes * a.gpus_per_node
     meshes = {  # name: (dp_replicate, dp_shard, tp, ep, cp)
         f"FSDP 1x{world}": (1, world, 1, 1, 1),
@@ -126,6 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     for cp in a.cp:
         if cp > 1 and a.gpus_per_node % cp == 0 and a.seq_len % (2 * cp) == 0:
             meshes[f"FSDP 1x{world // cp} CP{cp}"] = (1, world // cp, 1, 1, cp)
+    return meshes
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    family = get_family(a.family)
+    args = family.build_args(ModelConfig(name=a.family, flavor=a.model))
+    lora = LoRAConfig(enabled=True, rank=a.lora_rank) if a.lora_rank > 0 else None
+    shape = model_shape(family, args, Float8Config(enabled=a.fp8), lora, a.freeze)
+    meshes = _meshes(a, shape)
     columns, seconds = {}, {}
     for name, (rep, shard, tp, ep, cp) in meshes.items():
         mem = plan_memory(
