@@ -9,14 +9,19 @@ each query then sees only earlier keys of its own document. Which kernel runs:
 | | causal (mask None) | document mask |
 |---|---|---|
 | CUDA | SDPA `is_causal` (or chunked) | FlexAttention with a BlockMask, both compiled |
-| CPU, model.attention = "sdpa" | SDPA `is_causal` | SDPA with a (batch, 1, seq, seq) boolean mask |
+| CPU, model.attention = "sdpa" | SDPA `is_causal` | SDPA with a (batch, 1, seq, seq) mask |
 | CPU, model.attention = "chunked" | chunked causal | chunked, comparing document ids per block |
 
 Under context parallel (parallel/cp.py) `document_mask` returns a `SplitMask` instead, ids or
 not: this rank's queries are some rows of the sequence and `attention` gathers the whole
 sequence's keys and values through it, then runs the same kernels with a mask over
-whole-sequence positions (FlexAttention on CUDA, SDPA with a boolean mask, or the chunked kernel
-on each run of rows at its offset).
+whole-sequence positions (FlexAttention on CUDA, SDPA with a mask, or the chunked kernel on
+each run of rows at its offset).
+
+CPU SDPA's mask is additive (0 where a key is seen, -inf elsewhere) in the attention's dtype,
+which `document_mask` takes: SDPA turns a boolean mask into such a float copy itself and saves
+that copy for backward, in every layer (0.5 GiB over 4 layers at 8k tokens under cp 2,
+BENCHMARKS.md); given the float mask it saves a reference to the one tensor all layers share.
 
 `scaled_dot_product_attention` on CPU runs a flash-attention kernel whose inner matmuls are
 (block x head_dim) tiles. At head_dim 16-64 those tiles are too thin to keep the vector units
@@ -52,7 +57,8 @@ BLOCK_ELEMENTS = 1 << 21
 QUERY_ROWS = 128
 
 # What `document_mask` builds for `attention`: a FlexAttention BlockMask (CUDA), a boolean
-# (batch, 1, seq, seq) mask (CPU SDPA), or the (batch, seq) document ids themselves (chunked).
+# or additive float (batch, 1, seq, seq) mask (CPU SDPA), or the (batch, seq) document ids
+# themselves (chunked).
 Mask = BlockMask | torch.Tensor
 
 
@@ -72,8 +78,8 @@ class SplitMask:
     document_ids: torch.Tensor | None
     """(batch, seq): the whole sequence's document ids, or None (causal)."""
     kernel_mask: Mask | None
-    """A BlockMask over (local queries, all keys) on CUDA, SDPA's boolean (batch or 1, 1, local
-    seq, seq) mask on CPU; None for the chunked kernel, which takes `spans`."""
+    """A BlockMask over (local queries, all keys) on CUDA, SDPA's (batch or 1, 1, local seq,
+    seq) mask on CPU (see `sdpa_mask`); None for the chunked kernel, which takes `spans`."""
     seq: int = 0
     """Tokens in the whole sequence."""
     sum_over_split: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -86,18 +92,20 @@ class SplitMask:
 # travels to every layer's `attention` as its mask (also into activation checkpointing's
 # recompute, after the forward). A family that calls `document_mask` and `attention` therefore
 # runs under context parallel as it is.
-SEQUENCE_SPLIT: ContextVar[Callable[[torch.Tensor | None, str], SplitMask] | None] = ContextVar(
-    "sequence_split", default=None
-)
+SplitFn = Callable[[torch.Tensor | None, str, torch.dtype | None], SplitMask]
+SEQUENCE_SPLIT: ContextVar[SplitFn | None] = ContextVar("sequence_split", default=None)
 
 
-def document_mask(document_ids: torch.Tensor | None, impl: str) -> Mask | SplitMask | None:
+def document_mask(
+    document_ids: torch.Tensor | None, impl: str, dtype: torch.dtype | None = None
+) -> Mask | SplitMask | None:
     """The mask of a batch whose token i belongs to document `document_ids[b, i]` (ids
     nondecreasing along the sequence: each document one contiguous run), for `attention`.
     Built once per forward and shared by every layer; None (plain causal) without ids; a
-    SplitMask, ids or not, under context parallel (`SEQUENCE_SPLIT`)."""
+    SplitMask, ids or not, under context parallel (`SEQUENCE_SPLIT`). `dtype`: the
+    attention's (the embeddings' output), for CPU SDPA's additive mask (None: boolean)."""
     if (split := SEQUENCE_SPLIT.get()) is not None:
-        return split(document_ids, impl)
+        return split(document_ids, impl, dtype)
     if document_ids is None:
         return None
     if document_ids.device.type == "cuda":
@@ -105,7 +113,17 @@ def document_mask(document_ids: torch.Tensor | None, impl: str) -> Mask | SplitM
     if impl == "chunked":  # compared block by block inside the kernel: nothing seq^2 is built
         return document_ids
     same = document_ids[:, :, None] == document_ids[:, None, :]
-    return same.tril_().unsqueeze(1)  # (batch, 1, seq, seq): broadcast over heads
+    return sdpa_mask(same.tril_().unsqueeze(1), dtype)  # (batch, 1, seq, seq): all heads
+
+
+def sdpa_mask(allowed: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`allowed` (True: the query sees the key) as SDPA's additive mask in `dtype`: 0 or -inf.
+    Every query sees at least itself, so no row is all -inf. `dtype` None: `allowed` itself."""
+    if dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
 
 
 def split_mask(
@@ -116,9 +134,11 @@ def split_mask(
     impl: str,
     device: torch.device,
     sum_over_split: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> SplitMask:
     """The SplitMask of the local tokens `spans` (see SplitMask) of a sequence of `seq` tokens,
-    whose document ids are `document_ids` (batch, seq), or None for causal attention."""
+    whose document ids are `document_ids` (batch, seq), or None for causal attention; `dtype`
+    as `document_mask`'s."""
     rows = torch.cat([torch.arange(g, g + n, device=device) for _, g, n in spans])
     kernel_mask: Mask | None = None
     if rows.device.type == "cuda":
@@ -128,7 +148,7 @@ def split_mask(
         kernel_mask = (keys[None, :] <= rows[:, None])[None]  # (1, local, seq)
         if document_ids is not None:
             kernel_mask = kernel_mask & (document_ids[:, rows, None] == document_ids[:, None, :])
-        kernel_mask = kernel_mask.unsqueeze(1)  # broadcast over heads
+        kernel_mask = sdpa_mask(kernel_mask.unsqueeze(1), dtype)  # broadcast over heads
     return SplitMask(rows, spans, gather, document_ids, kernel_mask, seq, sum_over_split)
 
 
@@ -152,7 +172,13 @@ def attention(
         return chunked_causal_attention(q, k, v, mask)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_as(mask, q), enable_gqa=gqa)
+
+
+def _as(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """SDPA takes a boolean mask or a float one of q's dtype: a float mask of another dtype (a
+    family that guessed the dtype wrong) is converted, correct but copied in every layer."""
+    return mask if mask.dtype in (torch.bool, q.dtype) else mask.to(q.dtype)
 
 
 @functools.cache
@@ -202,7 +228,8 @@ def _split_attention(
             ],
             dim=2,
         )
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.kernel_mask, enable_gqa=gqa)
+    mask_ = _as(mask.kernel_mask, q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_, enable_gqa=gqa)
 
 
 def _flex_split_mask(rows: torch.Tensor, document_ids: torch.Tensor | None, seq: int) -> BlockMask:

@@ -223,10 +223,10 @@ class Qwen3(nn.Module):
                 f"sequence length {tokens.shape[1]} exceeds the RoPE table "
                 f"({self.rope.shape[0]}); rebuild it with init_buffers(rope_len)"
             )
-        # Once per forward, not per layer: a FlexAttention block mask costs a kernel to build.
-        mask = document_mask(document_ids, self.args.attention)
-        rope = self.rope if positions is None else self.rope[positions]
         h = self.tok_embeddings(tokens)
+        # Once per forward, not per layer: a FlexAttention block mask costs a kernel to build.
+        mask = document_mask(document_ids, self.args.attention, h.dtype)
+        rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         # hidden_only: the trainer applies `output` itself, a chunk of tokens at a time.

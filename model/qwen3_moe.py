@@ -169,9 +169,9 @@ class Qwen3MoE(nn.Module):
                 f"sequence length {tokens.shape[1]} exceeds the RoPE table "
                 f"({self.rope.shape[0]}); rebuild it with init_buffers(rope_len)"
             )
-        mask = document_mask(document_ids, self.args.attention)
-        rope = self.rope if positions is None else self.rope[positions]
         h = self.tok_embeddings(tokens)
+        mask = document_mask(document_ids, self.args.attention, h.dtype)
+        rope = self.rope if positions is None else self.rope[positions]
         aux, load = [], []
         for layer in self.layers.values():
             h, layer_aux, layer_load = layer(h, rope, mask)

@@ -151,7 +151,9 @@ class ContextSplit:
         self.group, self.rank, self.cp = mesh.get_group(), mesh.get_local_rank(), mesh.size()
         self._token: Any = None
 
-    def __call__(self, document_ids: torch.Tensor | None, impl: str) -> SplitMask:
+    def __call__(
+        self, document_ids: torch.Tensor | None, impl: str, dtype: torch.dtype | None
+    ) -> SplitMask:
         # The model sees only its tokens' document ids; a query compares with every key's.
         if document_ids is not None:
             document_ids = _gather(document_ids, self.group, self.cp, dim=1)
@@ -159,7 +161,8 @@ class ContextSplit:
         spans = chunk_spans(self.rank, self.cp, local)
         seq = local * self.cp
         device = self._device
-        return split_mask(spans, seq, self.gather, document_ids, impl, device, self.sum_over_split)
+        gather, total = self.gather, self.sum_over_split
+        return split_mask(spans, seq, gather, document_ids, impl, device, total, dtype)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return _GatherSequence.apply(x, self.group, self.cp)

@@ -168,3 +168,27 @@ def test_custom_op_registration_is_consistent():
     # Context parallel's later chunk: the last 8 queries over all 24 keys.
     late = q.detach()[:, :, 16:].requires_grad_()
     torch.library.opcheck(attention._attention, (late, k, v, ids, 16))
+
+
+def test_document_masked_layers_share_one_saved_mask():
+    """On CPU SDPA, the document mask all layers save for backward is one float tensor: SDPA
+    given a boolean mask would save a float copy of it in every layer (model/attention.py)."""
+    seq, layers = 24, 3
+    args = LlamaArgs(dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, vocab_size=64)
+    model = Transformer(replace(args, multiple_of=32, attention="sdpa"))
+    model.init_weights(seed=0, rope_len=seq)
+    tokens = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(3))
+    ids = torch.arange(seq).repeat(2, 1) // 8  # three documents of 8 tokens per row
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        logits = model(tokens, document_ids=ids)
+    masks = {t.untyped_storage().data_ptr() for t in saved if t.shape[-2:] == (seq, seq)}
+    assert len(masks) == 1, f"{len(masks)} (seq, seq) tensors saved over {layers} layers"
+    logits.sum().backward()  # and the additive mask gives the same attention as the boolean one
+    bool_mask = document_mask(ids, "sdpa")
+    float_mask = document_mask(ids, "sdpa", torch.float32)
+    q, k, v = (
+        torch.randn(2, 4, seq, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    )
+    ours, boolean = dispatch(q, k, v, float_mask, "sdpa"), dispatch(q, k, v, bool_mask, "sdpa")
+    torch.testing.assert_close(ours, boolean, rtol=0, atol=0)
