@@ -2,12 +2,17 @@
 
     python -m data.make_eval_task [--out outputs/data/stdlib/next_line.jsonl] [--seed 0]
 
-Each example's context is the lines of a Python file before a line, its gold choice that line,
-and its distractors lines of other files. The files are those `python -m data.prepare` holds out
-for validation (the same hash of the same keys, data/inputs.py `is_val`), so a model trained on
-the stdlib dataset has never seen them. `python -m data.prepare` with no `--input` writes this
-task into the dataset it makes, where configs/debug.toml scores it. The file is a function of
-the seed, the Python version's stdlib and the arguments; the format is docs/evaluation.md's.
+Each example's context is the lines of a Python file before a line and its gold choice that
+line. Its distractors are, by default, that line with two of its names or symbols swapped,
+the same bytes (`--distractors swapped`); with `--distractors other-files`, lines of other
+files. The first asks whether the model has learned Python's syntax and the names around it,
+which the debug model starts to within its 200 steps; the second whether it uses the context
+to tell which line belongs, which takes a larger model and more tokens. The files are those
+`python -m data.prepare` holds out for validation (the same hash of the same keys,
+data/inputs.py `is_val`), so a model trained on the stdlib dataset has never seen them.
+`python -m data.prepare` with no `--input` writes this task into the dataset it makes, where
+configs/debug.toml scores it. The file is a function of the seed, the Python version's stdlib
+and the arguments; the format is docs/evaluation.md's.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import json
 import logging
 import random
+import re
 from pathlib import Path
 
 from configs import ConfigError
@@ -28,6 +34,9 @@ DEFAULT_OUT = "outputs/data/stdlib/next_line.jsonl"
 MAX_CONTEXT_BYTES = 160
 MAX_LINE_BYTES = 64
 MIN_LINE_CHARS = 8  # shorter lines ("else:", ")") say too little to tell apart
+# The pieces a swapped distractor exchanges: names and numbers whole, symbols one by one.
+PIECE = re.compile(r"\w+|[^\w\s]")
+DISTRACTORS = ("swapped", "other-files")
 
 
 def held_out_files(val_fraction: float) -> list[tuple[Path, str]]:
@@ -37,7 +46,8 @@ def held_out_files(val_fraction: float) -> list[tuple[Path, str]]:
 
 
 def candidate_lines(lines: list[str]) -> list[int]:
-    """Indices of lines worth asking about: code of a fitting length, after some context."""
+    """Indices of lines worth asking about: code of a fitting length, after some context, with
+    at least 3 distinct pieces (so 3 swaps of two of them differ from it and each other)."""
     return [
         i
         for i, line in enumerate(lines)
@@ -45,7 +55,18 @@ def candidate_lines(lines: list[str]) -> list[int]:
         and len(line.strip()) >= MIN_LINE_CHARS
         and len(line.encode("utf-8")) <= MAX_LINE_BYTES
         and not line.lstrip().startswith("#")
+        and len(set(PIECE.findall(line))) >= 3
     ]
+
+
+def swapped(line: str, rng: random.Random) -> str:
+    """`line` with two of its distinct pieces swapped and the spaces between pieces where they
+    were: the same bytes, so the choices' byte lengths (acc_norm) are equal."""
+    pieces = PIECE.findall(line)
+    gaps = PIECE.split(line)  # len(pieces) + 1: the indentation, the spaces, the end
+    a, b = rng.sample(range(len(pieces)), 2)
+    pieces[a], pieces[b] = pieces[b], pieces[a]
+    return "".join(gap + piece for gap, piece in zip(gaps, [*pieces, ""], strict=True))
 
 
 def context_before(lines: list[str], i: int) -> str:
@@ -58,8 +79,38 @@ def context_before(lines: list[str], i: int) -> str:
     return context
 
 
+def wrong_choices(
+    texts: dict[str, list[str]],
+    pool: list[tuple[str, int]],
+    key: str,
+    i: int,
+    n: int,
+    distractors: str,
+    rng: random.Random,
+) -> list[str] | None:
+    """`n` distinct lines unlike line i of file `key`: swaps in it, or lines of other files.
+    None when the line has too few distinct orders (only with more than 4 choices)."""
+    gold_line = texts[key][i]
+    wrong: list[str] = []
+    for _ in range(200):  # 3 distinct pieces make 3 distinct swaps: 200 draws find them
+        if distractors == "swapped":
+            line = swapped(gold_line, rng)
+        else:
+            other, j = rng.choice(pool)
+            line = texts[other][j] if other != key else gold_line
+        if line.strip() != gold_line.strip() and line not in wrong:
+            wrong.append(line)
+        if len(wrong) == n:
+            return wrong
+    return None
+
+
 def make_examples(
-    files: list[tuple[Path, str]], n_examples: int, n_choices: int, seed: int
+    files: list[tuple[Path, str]],
+    n_examples: int,
+    n_choices: int,
+    seed: int,
+    distractors: str = "swapped",
 ) -> list[dict]:
     """Up to `n_examples` examples with `n_choices` choices each, drawn with `seed`."""
     rng = random.Random(seed)
@@ -77,15 +128,11 @@ def make_examples(
         )
     examples = []
     for key, i in rng.sample(pool, min(n_examples, len(pool))):
-        gold_line = texts[key][i]
-        distractors: list[str] = []
-        while len(distractors) < n_choices - 1:
-            other, j = rng.choice(pool)
-            line = texts[other][j]
-            if other != key and line.strip() != gold_line.strip() and line not in distractors:
-                distractors.append(line)
+        wrong = wrong_choices(texts, pool, key, i, n_choices - 1, distractors, rng)
+        if wrong is None:
+            continue
         gold = rng.randrange(n_choices)
-        choices = [*distractors[:gold], gold_line, *distractors[gold:]]
+        choices = [*wrong[:gold], texts[key][i], *wrong[gold:]]
         examples.append({"context": context_before(texts[key], i), "choices": choices,
                          "gold": gold, "source": f"{key}:{i + 1}"})  # fmt: skip
     return examples
@@ -97,11 +144,15 @@ def write_task(
     n_examples: int = 200,
     n_choices: int = 4,
     seed: int = 0,
+    distractors: str = "swapped",
 ) -> Path:
     """Write the next-line task (JSONL) to `out`; returns it."""
     if n_examples < 1 or n_choices < 2:
         raise ConfigError("make_eval_task: --examples must be >= 1 and --choices >= 2")
-    examples = make_examples(held_out_files(val_fraction), n_examples, n_choices, seed)
+    if distractors not in DISTRACTORS:
+        raise ConfigError(f"make_eval_task: --distractors must be one of {DISTRACTORS}")
+    files = held_out_files(val_fraction)
+    examples = make_examples(files, n_examples, n_choices, seed, distractors)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(example) + "\n" for example in examples))
@@ -117,10 +168,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--val-fraction", type=float, default=0.005, help="data.prepare's, for its val files"
     )
+    parser.add_argument(
+        "--distractors",
+        choices=DISTRACTORS,
+        default="swapped",
+        help="the gold line with two pieces swapped, or lines of other files (harder)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        out = write_task(args.out, args.val_fraction, args.examples, args.choices, args.seed)
+        out = write_task(
+            args.out, args.val_fraction, args.examples, args.choices, args.seed, args.distractors
+        )
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
     logger.info("wrote %s", out)

@@ -4,6 +4,7 @@ task file one config error naming its file and line; the debug task, determinist
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -192,8 +193,22 @@ def test_the_debug_task_is_deterministic_and_real(tmp_path: Path) -> None:
         example = json.loads(line)
         key, number = example["source"].rsplit(":", 1)
         lines = files[key].read_text().splitlines()
-        assert example["choices"][example["gold"]] == lines[int(number) - 1]
+        gold = example["choices"][example["gold"]]
+        assert gold == lines[int(number) - 1]
         assert example["context"].endswith(lines[int(number) - 2] + "\n")
+        # Each distractor swaps two of the line's pieces: same bytes, other order, all distinct.
+        wrong = [c for i, c in enumerate(example["choices"]) if i != example["gold"]]
+        assert len(set(wrong)) == 3 and gold not in wrong
+        assert all(sorted(c.encode()) == sorted(gold.encode()) for c in wrong)
+        assert all(sum(a != b for a, b in zip(c, gold, strict=True)) >= 2 for c in wrong)
+    other = write_task(tmp_path / "d.jsonl", n_examples=20, distractors="other-files")
+    lines_of = functools.cache(lambda path: path.read_text(errors="replace").splitlines())
+    for line in other.read_text().splitlines():
+        example = json.loads(line)
+        key = example["source"].rsplit(":", 1)[0]
+        wrong = [c for i, c in enumerate(example["choices"]) if i != example["gold"]]
+        others = {line for k, path in files.items() if k != key for line in lines_of(path)}
+        assert all(c in others for c in wrong)
     task = load_task("next_line", TaskConfig(str(first)), ByteTokenizer(), EOS, seq_len=256)
     assert len(task.gold) == 20 and set(task.choices) == {4}
     # configs/debug.toml scores the file python -m data.prepare writes beside the stdlib data.
