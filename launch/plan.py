@@ -1,18 +1,19 @@
-"""Memory and communication per GPU for FSDP, HSDP, FSDP + TP and FSDP + CP, before renting the
-cluster.
+"""Memory and communication per GPU for FSDP, HSDP, FSDP + TP, FSDP + CP and FSDP + TP + CP,
+before renting the cluster.
 
     python -m launch.plan --model 8B --nodes 16 --gpus-per-node 8 --seq-len 8192 --ac full
     python -m launch.plan --model 70B --nodes 2 --lora-rank 16      # a LoRA fine-tune
     python -m launch.plan --family qwen3_moe --model 30B-A3B --nodes 2 --ep 8 --ac full
     python -m launch.plan --model 8B --seq-len 131072 --tp --cp 2 4 8 --ac full  # long context
+    python -m launch.plan --model 70B --nodes 8 --seq-len 131072 --tp 2 4 --cp 2 4 --ac full
 
 Prints, for FSDP (dp_shard = all GPUs), HSDP (dp_shard = GPUs per node), FSDP with tensor
 parallel inside each node, FSDP over dp_shard x cp with context parallel inside each node (cp
-splits every sequence; it does not combine with tp yet) and (a mixture of experts) FSDP with
-expert parallel inside each node side by side, the per-GPU memory and the bytes each GPU sends per
-optimizer step on each mesh dimension, which plan fits in `--gpu-mem` and which communicates
-faster with the given bandwidths. `train.py --dry-run` prints the same table for the configured
-run. The formulas, and how they follow this trainer, are in parallel/plan.py.
+splits every sequence), both (each tp x cp that fits in a node) and (a mixture of experts) FSDP
+with expert parallel inside each node side by side, the per-GPU memory and the bytes each GPU
+sends per optimizer step on each mesh dimension, which plan fits in `--gpu-mem` and which
+communicates faster with the given bandwidths. `train.py --dry-run` prints the same table for
+the configured run. The formulas, and how they follow this trainer, are in parallel/plan.py.
 """
 
 from __future__ import annotations
@@ -126,6 +127,18 @@ def _meshes(a: argparse.Namespace, shape: ModelShape) -> dict[str, tuple[int, in
     for cp in a.cp:
         if cp > 1 and a.gpus_per_node % cp == 0 and a.seq_len % (2 * cp) == 0:
             meshes[f"FSDP 1x{world // cp} CP{cp}"] = (1, world // cp, 1, 1, cp)
+    # Both inside a node: tp splits each token's heads, cp the sequence (parallel/runtime.py).
+    for tp in a.tp:
+        for cp in a.cp:
+            fits = tp > 1 and cp > 1 and a.gpus_per_node % (tp * cp) == 0
+            if fits and a.seq_len % (2 * cp) == 0:
+                meshes[f"FSDP 1x{world // (tp * cp)} TP{tp} CP{cp}"] = (
+                    1,
+                    world // tp // cp,
+                    tp,
+                    1,
+                    cp,
+                )
     return meshes
 
 
@@ -140,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (rep, shard, tp, ep, cp) in meshes.items():
         mem = plan_memory(
             shape, shard, a.batch, a.seq_len, a.param_dtype, a.ac, a.ac_every, a.reshard, tp=tp,
-            ep=ep, cp=cp, loss_chunk_tokens=a.loss_chunk_tokens if tp == 1 else 0,
+            ep=ep, cp=cp, loss_chunk_tokens=a.loss_chunk_tokens,
         )  # fmt: skip
         # The same global batch: tp (cp) ranks share their sequences, so tp (cp) x the
         # accumulation.

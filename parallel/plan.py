@@ -343,7 +343,7 @@ def plan_communication(
         )
     if cp > 1:
         comm["cp"] = _cp_communication(
-            shape, cp, tokens, param_dtype, ac_mode, ac_every, grad_accum_steps
+            shape, cp, tokens, param_dtype, ac_mode, ac_every, grad_accum_steps, tp
         )
     return comm
 
@@ -356,17 +356,19 @@ def _cp_communication(
     ac_mode: AcMode,
     ac_every: int,
     micro_batches: int,
+    tp: int = 1,
 ) -> dict[str, float]:
     """Bytes context parallel's K/V collectives send per rank and step (parallel/cp.py), for
     `tokens` per rank and micro-batch. Every layer all-gathers its keys and values (each
     (batch, kv_heads, seq/cp, head_dim) per rank) in forward: (cp-1) x that each; a layer
     backward runs through reduce-scatters their gradients (cp x that in, (cp-1)/cp of it out:
-    the same bytes); a checkpointed block's recompute runs the gathers again."""
+    the same bytes); a checkpointed block's recompute runs the gathers again. At tp > 1 a
+    rank holds kv_heads / tp of them (tensor parallel splits the heads)."""
     n, n_backward = shape.n_layers, shape.n_backward_blocks()
     recomputed = {"full": n_backward, "op": n_backward}.get(ac_mode, 0)
     if ac_mode == "selective":  # blocks 0, every, 2 x every, ... that backward runs through
         recomputed = sum(u.backward for u in shape.units[:-1][::ac_every])
-    kv = (cp - 1) * tokens * shape.kv_dim * BYTES[param_dtype]
+    kv = (cp - 1) * tokens * shape.kv_dim // tp * BYTES[param_dtype]
     return {
         "all_gather": micro_batches * 2 * (n + recomputed) * kv,
         "reduce_scatter": micro_batches * 2 * n_backward * kv,

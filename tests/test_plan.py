@@ -394,3 +394,10 @@ def test_cli_context_parallel_at_128k_tokens(capsys: pytest.CaptureFixture[str])
     mem = {cp: plan_memory(shape, 8 // cp, 1, 131072, cp=cp) for cp in (1, 8)}
     assert mem[8]["params"] == mem[1]["params"] and mem[8]["logits"] == mem[1]["logits"] / 8
     assert mem[1]["activations"] / 8 < mem[8]["activations"] < mem[1]["activations"] / 7
+    # tp x cp: each pair inside the node; tp 4 x cp 2 splits the heads of half a sequence.
+    assert main(["--model", "8B", "--seq-len", "131072", "--tp", "2", "4", "--cp", "2", "4"]) == 0
+    out = capsys.readouterr().out
+    names = ("FSDP 1x2 TP2 CP2:", "FSDP 1x1 TP2 CP4:", "FSDP 1x1 TP4 CP2:")
+    assert all(name in out for name in names) and "TP4 CP4" not in out
+    both = plan_communication(shape, 1, 1, grad_accum_steps=8, tokens=131072, tp=4, cp=2)
+    assert both["cp"]["all_gather"] == 8 * 2 * 32 * 65536 * 1024 // 4 * 2

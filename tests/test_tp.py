@@ -341,3 +341,38 @@ def test_planner_matches_measured_tp_bytes(tiny_dataset: str, tmp_path: Path, ac
         assert loss_bytes <= other < loss_bytes + 0.05 * planned["tp"]["reduce_scatter"]
         for key, measured in result["state"].items():
             assert measured == pytest.approx(mem[key], rel=0.10), (key, result["state"], mem)
+
+
+@pytest.mark.slow
+def test_planner_matches_measured_tp_cp_bytes(tiny_dataset: str, tmp_path: Path) -> None:
+    """(cp 2, tp 2) on 4 ranks, one step of 2 micro-batches: FSDP over dp_shard x cp, the TP
+    activation bytes of half sequences and the K/V gathers of half the heads, as planned."""
+    from configs import parse_config
+    from launch.job import JobConfig
+    from model import get_family
+    from parallel.plan import model_shape, plan_communication, plan_memory
+    from tests.test_train import TINY
+
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            "--train.steps=1", "--train.micro_batch_size=2", "--train.global_batch_size=4",
+            "--parallel.tp=2", "--parallel.cp=2"]  # fmt: skip
+    results = run_distributed(tp_instrumented_step, 4, argv)
+    job = parse_config(JobConfig, argv)
+    family = get_family(job.model.name)
+    shape = model_shape(family, family.build_args(job.model))
+    p, tokens = job.parallel, 2 * job.data.seq_len
+    planned = plan_communication(
+        shape, 1, 1, p.param_dtype, p.reduce_dtype, grad_accum_steps=2, tp=2, tokens=tokens, cp=2
+    )
+    assert planned["cp"]["all_gather"] > 0 and planned["tp"]["all_gather"] > 0
+    mem = plan_memory(shape, 1, 2, job.data.seq_len, p.param_dtype, tp=2, cp=2)
+    for result in results:
+        for dim in ("dp_shard", "cp"):
+            for collective, expected in planned[dim].items():
+                measured = result["sent"].get((dim, collective), 0)
+                assert measured == pytest.approx(expected, rel=0.01), (dim, collective, result)
+        for collective in ("all_gather", "reduce_scatter"):
+            expected, measured = planned["tp"][collective], result["tp_sent"].get(collective, 0)
+            assert measured == pytest.approx(expected, rel=0.01), (collective, result["tp_sent"])
+        for key, measured in result["state"].items():
+            assert measured == pytest.approx(mem[key], rel=0.10), (key, result["state"], mem)
