@@ -320,7 +320,7 @@ def setup(
     )
     # At tp > 1 loss parallel (loss_context) keeps the logits split instead: no compiled loss.
     loss_fn = compile_loss(cross_entropy_sum, job.compile) if plan.tp == 1 else cross_entropy_sum
-    if t.loss_chunk_tokens:  # the logits a chunk at a time (parallel/loss.py; tp = 1, checked)
+    if t.loss_chunk_tokens:  # the logits a chunk at a time (parallel/loss.py)
         loss_fn = ChunkedLoss(output_layer(plan.family, model), t.loss_chunk_tokens, loss_fn)
     dp_rank, dp_size = dp_rank_and_size(mesh)
     # A loader's (inputs, targets) on the device, with their document ids and targets under

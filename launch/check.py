@@ -112,7 +112,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     args = family.build_args(job.model)
     dp_replicate, dp_shard = resolve_dims(job.parallel, env)
     check_tp(family, args, job.parallel.tp, job.model.name)
-    check_chunked_loss(family, job.train.loss_chunk_tokens, job.parallel.tp,
+    check_chunked_loss(family, job.train.loss_chunk_tokens,
                        job.parallel.reshard_after_forward, job.model.name)  # fmt: skip
     fsdp_ranks = dp_shard * job.parallel.cp  # FSDP and EP take cp ranks as data-parallel ones
     check_ep(family, args, job.parallel, fsdp_ranks, job.compile.enabled, job.model.name)

@@ -20,8 +20,13 @@ float8 Linear, the compiled loss (`compile.loss`). The price is one more forward
 projection per step, about 2% of Llama 3 8B's FLOPs; Liger's saves that but must reimplement
 the projection's backward for a bare weight.
 
-Not at tp > 1 (launch/check.py refuses it): there, loss parallel already divides the logits by
-tp, and the hidden states are a sequence-split DTensor that this chunking does not handle.
+At tp > 1 loss parallel already divides the logits by tp (each rank computes its slice of the
+vocabulary for every token, parallel/tp.py `loss_context`), and chunking divides them again:
+the final norm's output, split along the sequence over the tp ranks, is all-gathered once (what
+the output projection's "output" style would gather anyway, for the whole sequence at once),
+and each chunk of it goes through the projection, whose logits come out split over the
+vocabulary, and through loss parallel's cross-entropy. Backward runs under the same
+`loss_context`, so each chunk's recompute does too.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from configs import ConfigError
@@ -46,6 +52,8 @@ class ChunkedLoss:
         self.output, self.chunk_tokens, self.loss_fn = output, chunk_tokens, loss_fn
 
     def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if isinstance(hidden, DTensor):  # tp > 1: the sequence's shards, gathered on every rank
+            hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
         # Chunks of the flattened (batch x seq) tokens. `split`, not slicing: its backward
         # concatenates the chunks' gradients once, where each slice's would be a zero-padded
         # copy of the whole hidden states.
@@ -65,7 +73,7 @@ class ChunkedLoss:
 
 
 def check_chunked_loss(
-    family: ModelFamily, chunk_tokens: int, tp: int, reshard_after_forward: str, name: str
+    family: ModelFamily, chunk_tokens: int, reshard_after_forward: str, name: str
 ) -> None:
     """ConfigError, before any process group, for a chunked loss this run cannot have."""
     if not chunk_tokens:
@@ -73,12 +81,6 @@ def check_chunked_loss(
     if getattr(family, "output_layer", None) is None:
         raise ConfigError(
             f"train.loss_chunk_tokens: model {name} has no output_layer(model) (model/__init__.py)"
-        )
-    if tp > 1:
-        raise ConfigError(
-            f"train.loss_chunk_tokens with parallel.tp={tp}: loss parallel already splits the "
-            f"logits over the vocabulary (1/{tp} per rank) and the hidden states are split "
-            "along the sequence; set train.loss_chunk_tokens=0"
         )
     if reshard_after_forward == "always":
         # The chunks call the output projection after the root's forward and again in
