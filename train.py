@@ -526,11 +526,13 @@ def score_tasks(run: Run) -> dict[str, float]:
 @torch.no_grad()
 def task_logliks(run: Run, task: Task) -> torch.Tensor:
     """The summed log-likelihood of each request of `task` (float64, the same on every rank):
-    each data-parallel rank scores its share, in as many forwards as every other rank."""
+    each data-parallel rank scores its share, in as many forwards as every other rank. Under
+    context parallel each cp rank scores its chunks of every row (`to_batch` splits them)."""
     plan, rows = run.plan, run.job.eval.batch_size or run.job.train.micro_batch_size
     logliks = torch.zeros(len(task.requests), dtype=torch.float64, device=run.device)
-    batches = task_batches(task, run.dp_rank, run.dp_size, rows,
-                           run.job.data.seq_len, trim=not run.job.compile.enabled)  # fmt: skip
+    compiled, multiple = run.job.compile.enabled, math.lcm(16, 2 * plan.cp)
+    batches = task_batches(task, run.dp_rank, run.dp_size, rows, run.job.data.seq_len,
+                           trim=not compiled, multiple=multiple)  # fmt: skip
     for inputs, targets, ids in batches:
         # As training sees a window: on the device, with document ids and positions under
         # document masking (each request starts after an EOS, as a document does).
@@ -544,8 +546,8 @@ def task_logliks(run: Run, task: Task) -> torch.Tensor:
         per_row = -nll.view(batch.targets.shape).double().sum(dim=1)
         ids = ids.to(run.device)
         logliks.index_add_(0, ids[ids >= 0], per_row[ids >= 0])
-    # Every request was scored on one dp rank, the others adding 0: the sum is exact. Its tp
-    # ranks computed the same value: / tp.
+    # Every request was scored on one dp rank, the others adding 0, and its cp ranks each
+    # added their part of its tokens: the sum is exact. Its tp ranks computed the same: / tp.
     dist.all_reduce(logliks)
     return (logliks / plan.tp).cpu()
 

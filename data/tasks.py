@@ -211,7 +211,13 @@ def encode_request(tokenizer: Tokenizer, eos_id: int, context: str, continuation
 
 
 def task_batches(
-    task: Task, dp_rank: int, dp_size: int, batch_size: int, seq_len: int, trim: bool = True
+    task: Task,
+    dp_rank: int,
+    dp_size: int,
+    batch_size: int,
+    seq_len: int,
+    trim: bool = True,
+    multiple: int = 16,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """This data-parallel rank's (inputs, targets, request ids): request i is scored on rank
     i % dp_size, one per row (right-padded: causal attention keeps the padding out of the
@@ -219,15 +225,16 @@ def task_batches(
     padded with dummy ones (id -1, no target): FSDP's all-gathers need every rank in every
     forward. `trim`: rows as long as the batch's longest request, the longest first, as
     lm-eval-harness sorts them (the debug task's forwards then cost about half of rows of
-    `seq_len`); else `seq_len`, the training shape, which compiled blocks are compiled for."""
+    `seq_len`); else `seq_len`, the training shape, which compiled blocks are compiled for.
+    Trimmed rows are a `multiple` of tokens long: 16 keeps a few shapes (and kernels) instead of
+    one per length; context parallel needs a multiple of 2 x cp as well."""
     mine = sorted(range(dp_rank, len(task.requests), dp_size),
                   key=lambda i: -len(task.requests[i].tokens))  # fmt: skip
     per_rank = math.ceil(len(task.requests) / dp_size)
     for start in range(0, max(per_rank, 1), batch_size):
         rows = mine[start : start + batch_size]
-        # Multiples of 16: a few shapes (and kernels) instead of one per length.
         longest = max((len(task.requests[i].tokens) - 1 for i in rows), default=1)
-        length = min(seq_len, math.ceil(longest / 16) * 16) if trim else seq_len
+        length = min(seq_len, math.ceil(longest / multiple) * multiple) if trim else seq_len
         inputs = torch.zeros(batch_size, length, dtype=torch.long)
         targets = torch.full((batch_size, length), NO_TARGET, dtype=torch.long)
         ids = torch.full((batch_size,), -1, dtype=torch.long)

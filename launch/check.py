@@ -97,11 +97,6 @@ def check_tasks(job: JobConfig, sources: tuple) -> tuple:
     skip = job.dry_run and not all(file.exists() for file in task_files)
     if not sources or job.train.eval_interval <= 0 or not task_files or skip:
         return ()
-    if job.parallel.cp > 1:  # a request's tokens would be split over the cp ranks
-        raise ConfigError(
-            "eval.tasks with parallel.cp > 1 is not supported yet: scoring reads every "
-            "logit of a request, which cp would split over ranks (drop eval.tasks or cp)"
-        )
     return load_tasks(job.eval, sources[0].index, job.data.seq_len)
 
 

@@ -91,27 +91,37 @@ def score(dataset: str, out: Path, world: int, nodes: int, micro: int, *extra: s
 
 
 @pytest.mark.parametrize(
-    ("world", "nodes", "micro", "mask", "tp"),
+    ("world", "nodes", "micro", "mask", "tp", "cp"),
     [
-        pytest.param(2, 1, 4, "causal", 1, id="fsdp"),
-        pytest.param(4, 2, 2, "document", 1, id="hsdp-document", marks=pytest.mark.slow),
-        pytest.param(2, 1, 8, "causal", 2, id="tp", marks=pytest.mark.slow),
+        pytest.param(2, 1, 4, "causal", 1, 1, id="fsdp"),
+        pytest.param(4, 2, 2, "document", 1, 1, id="hsdp-document", marks=pytest.mark.slow),
+        pytest.param(2, 1, 8, "causal", 2, 1, id="tp", marks=pytest.mark.slow),
+        pytest.param(2, 1, 8, "document", 1, 2, id="cp-document", marks=pytest.mark.slow),
     ],
 )
 def test_same_logliks_on_one_process_fsdp_and_hsdp(
-    tiny_dataset: str, tmp_path: Path, world: int, nodes: int, micro: int, mask: str, tp: int
+    tiny_dataset: str,
+    tmp_path: Path,
+    world: int,
+    nodes: int,
+    micro: int,
+    mask: str,
+    tp: int,
+    cp: int,
 ) -> None:
     """fp32, after 2 steps: the summed log-likelihood of every request within 1e-5 of one
     process (whose each value is that request scored alone, unpadded), the same accuracies;
-    under document masking too (the context starts after an EOS: its own document), and at
-    tp = 2 (the logits split over the vocabulary, under loss_parallel)."""
+    under document masking too (the context starts after an EOS: its own document), at tp = 2
+    (the logits split over the vocabulary, under loss_parallel), and at cp = 2 (each request's
+    tokens split over two ranks, each summing its part)."""
     extra = [f"--data.attention_mask={mask}", "--data.document_positions=true"] * (mask != "causal")
     if mask not in _REFERENCE:
         _REFERENCE[mask] = score(tiny_dataset, tmp_path / "one", 1, 1, 8, *extra)
     losses, scored, tags = _REFERENCE[mask]
     got_losses, got_scored, got_tags = score(
-        tiny_dataset, tmp_path / "dp", world, nodes, micro, *extra, f"--parallel.tp={tp}"
-    )
+        tiny_dataset, tmp_path / "dp", world, nodes, micro, *extra, f"--parallel.tp={tp}",
+        f"--parallel.cp={cp}",
+    )  # fmt: skip
     torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=1e-5, atol=0)
     assert [name for name, *_ in scored] == ["lm", "mc"] == [name for name, *_ in got_scored]
     for (_, logliks, alone), (_, got, _) in zip(scored, got_scored, strict=True):
