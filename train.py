@@ -62,6 +62,7 @@ from launch.metrics import (
     profile_step,
 )
 from launch.preflight import network_problem
+from launch.resume_rules import resume_changes
 from model import count_params, get_hf_mapping, output_layer
 from parallel.build import BuiltModel, build_model
 from parallel.compile import compile_loss
@@ -255,6 +256,11 @@ def _train(
         warn_if_low_space(ckpt_folder, 4 * sum(p.numel() for p in params) + 8 * trainable)
     # An older one if plan.resume is damaged; logs the resume, once verified.
     resumed = checkpointer.load(states, plan.resume, job.train.steps)
+    if env.rank == 0 and resumed is not None and not resumed.model_only:
+        # Against the checkpoint loaded: after a fallback, an older one than check_config read.
+        same = plan.resume is not None and resumed.path == plan.resume.path
+        for change in plan.resume_changes if same else resume_changes(job, resumed.path):
+            logger.info("changed since the checkpoint, applied: %s", change)
     # The checkpoint brought its own lr, betas, ...: what this run's config says wins (the
     # changes were checked and listed by check_config).
     apply_optimizer_config(
@@ -632,8 +638,6 @@ def log_orientation(job: JobConfig, plan: Plan, run_dir: Path, ckpt_folder: Path
     if plan.resume is None and not job.checkpoint.init_from_hf:
         logger.info("starting at step 0 of %d from random weights (train.seed=%d)",
                     job.train.steps, job.train.seed)  # fmt: skip
-    for change in plan.resume_changes:
-        logger.info("changed since the checkpoint, applied: %s", change)
 
 
 # Seconds the other ranks wait before exiting on an error that rank 0 reports.

@@ -560,6 +560,31 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     assert_intact(folder / "step-8")
 
 
+@pytest.mark.slow
+def test_changes_after_a_fallback_are_those_of_the_checkpoint_resumed(
+    sync_run: tuple[list, Path], tiny_dataset: str
+) -> None:
+    """Step 8 saved by a resume at another lr, then damaged (a flipped byte: found after the
+    process group, where check_config had read step 8's config fine): the run falls back to
+    step 4, and its 'changed since the checkpoint' line compares with step 4's lr, not step 8's."""
+    _, out = sync_run
+    name = "fallback-changes"
+    folder = out / name / "checkpoints"
+    shutil.copytree(ckpt(out, "sync", 4), folder / "step-4")
+    first = run_cli(argv(tiny_dataset, out, name, *SAVE_EVERY_4, "--optim.lr=0.02"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert lines_with(
+        first.stderr, "changed since the checkpoint, applied: optim.lr: 0.003 -> 0.02"
+    )
+    file, damage = DAMAGE["flipped-byte"]
+    damage(folder / "step-8" / file)
+    again = run_cli(argv(tiny_dataset, out, name, *SAVE_EVERY_4, "--optim.lr=0.02"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming {folder / 'step-4'} at step 4" in again.stderr
+    changes = lines_with(again.stderr, "changed since the checkpoint")
+    assert changes and changes[0].endswith("applied: optim.lr: 0.003 -> 0.02"), again.stderr
+
+
 @pytest.mark.parametrize("kind", list(DAMAGE))
 def test_damaged_explicit_checkpoint_is_one_config_error(
     sync_run: tuple[list, Path], tiny_dataset: str, kind: str, caplog: pytest.LogCaptureFixture
