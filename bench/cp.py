@@ -18,11 +18,11 @@ collectives: cp all-gathers K and V every layer and micro-batch, and accumulates
 micro-batches, each with FSDP's gathers.
 
 **The CPU kernels** (`--attention`: SDPA by default; chunked at 8k, ~7 minutes more): at cp
-1 SDPA runs `is_causal`, but under cp it takes a boolean mask of (local rows x whole
-sequence) (model/attention.py `split_mask`), which CPU SDPA turns into a float32 copy that it
-saves for backward, one per layer; the planner does not count it. The chunked kernel takes
-the split's spans instead: nothing of size rows x sequence is built, and the keys after a
-chunk are never touched.
+1 SDPA runs `is_causal`, but under cp it takes a mask of (local rows x whole sequence)
+(model/attention.py `split_mask`): since 4c588db one additive float mask per forward, shared
+by the layers (before, a boolean one that CPU SDPA copied to float32 and saved in every
+layer); the planner does not count it. The chunked kernel takes the split's spans instead:
+nothing of size rows x sequence is built, and the keys after a chunk are never touched.
 
 **Memory is VmHWM**, the kernel's peak resident set of each rank process, read from
 /proc/<pid>/status every 0.5 s while the run lasts (it only grows, so the last reading before
