@@ -28,10 +28,15 @@ nothing of size rows x sequence is built, and the keys after a chunk are never t
 /proc/<pid>/status every 0.5 s while the run lasts (it only grows, so the last reading before
 exit is the peak, short of growth in the last half second, when the trainer is shutting down).
 It counts everything the process touched: torch's libraries, the allocator's cached blocks and
-glibc's, not only live tensors. The trainer's own `rss` (rank 0's ru_maxrss, the same quantity)
-is kept as a check. Set against it: the planner's per-rank activations + logits for the same
-run (parallel/plan.py `plan_memory`, what `train.py --dry-run` prints), whose fall from cp 1 is
-the fall the planner predicts; the rest of the planner's figure is the same at every cp here.
+glibc's, not only live tensors. glibc keeps freed blocks below its (growing) mmap threshold in
+its heap for reuse, so without care the peak also holds whatever the heap kept: the ranks of
+one run, doing the same work, differed by up to 0.3 GiB. The ranks therefore run with
+`MALLOC_MMAP_THRESHOLD_=65536` (unless set already): every tensor over 64 KiB is its own
+mapping, returned to the kernel when freed, and the peak follows live memory. The trainer's
+own `rss` (rank 0's ru_maxrss, the same quantity) is kept as a check. Set against it: the
+planner's per-rank activations + logits for the same run (parallel/plan.py `plan_memory`, what
+`train.py --dry-run` prints), whose fall from cp 1 is the fall the planner predicts; the rest
+of the planner's figure is the same at every cp here.
 
 tok/s is the median of the trainer's samples after warm-up (bench/throughput.py's harness); the
 losses of every run are compared with cp 1's (same seed and global batch: equal to the 4
@@ -163,6 +168,7 @@ def run_case(case: Case, i: int, opts: Namespace) -> dict:
     label = f"cp-{case.attention}-seq{case.seq}-cp{case.cp}-{i}"
     # The tag the poller finds the ranks by; run_once hands os.environ to torchrun.
     os.environ["CP_BENCH_RUN"] = label
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # see the module docstring
     try:
         with RankPeaks(label) as peaks:
             result = run_once("cp", label, torchrun(WORLD), case_args(case), opts.threads, opts)
