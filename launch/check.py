@@ -42,6 +42,7 @@ from data.loader import (
     open_sources,
 )
 from data.tasks import Task, load_tasks
+from launch.elastic import mesh_for_world
 from launch.job import JobConfig
 from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
@@ -50,8 +51,7 @@ from model import ModelFamily, get_family, get_hf_mapping
 from parallel.ac import ActivationCheckpointConfig
 from parallel.build import build_model
 from parallel.cp import check_cp
-from parallel.dims import LaunchEnv, resolve_dims
-from parallel.ep import check_ep
+from parallel.dims import LaunchEnv
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
 from parallel.loss import check_chunked_loss
 from parallel.plan import model_shape, plan_communication, plan_memory
@@ -110,20 +110,16 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     same ConfigError and exits before a collective could wait on a missing peer."""
     family = get_family(job.model.name)
     args = family.build_args(job.model)
-    dp_replicate, dp_shard = resolve_dims(job.parallel, env)
+    # The mesh and grad accumulation for this world (after an elastic restart, a smaller one:
+    # same global batch, or one line that says what would fit; launch/elastic.py).
+    mesh = mesh_for_world(job, family, args, env)
+    dp_replicate, dp_shard, accum = mesh.dp_replicate, mesh.dp_shard, mesh.grad_accum_steps
     check_tp(family, args, job.parallel.tp, job.model.name)
     check_chunked_loss(family, job.train.loss_chunk_tokens, job.parallel.tp,
                        job.parallel.reshard_after_forward, job.model.name)  # fmt: skip
-    fsdp_ranks = dp_shard * job.parallel.cp  # FSDP and EP take cp ranks as data-parallel ones
-    check_ep(family, args, job.parallel, fsdp_ranks, job.compile.enabled, job.model.name)
     check_cp(job.parallel, job.data.seq_len)
     dp = dp_replicate * dp_shard
     t = job.train
-    if t.global_batch_size % (t.micro_batch_size * dp) != 0:
-        raise ConfigError(
-            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-            f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({dp})"
-        )
     # A dry run needs no data: it reports the plan for a cluster the data may not be on yet.
     paths = data_paths(job.data)
     present = bool(paths) and all(Path(path).exists() for path in paths)
@@ -178,7 +174,6 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
             f"checkpoint.resume=none but run {job.run.name!r} already has checkpoints, which "
             "this run would prune (keep_last): choose another run.name or checkpoint.folder"
         )
-    accum = t.global_batch_size // (t.micro_batch_size * dp)
     dataset = sources[0].index if sources else None
     return Plan(
         family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes),

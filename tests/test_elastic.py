@@ -1,0 +1,158 @@
+"""Elastic restarts (launch/elastic.py): a lost node, and the run going on with the nodes left.
+
+The quick test checks the mesh choice and the refusal in this process; the slow one is the
+operator's case for real: two torchrun agents on this machine, each a "node" of 2 gloo ranks,
+rendezvousing with --nnodes=1:2, and one of them killed with kill -9 mid-run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from configs import ConfigError, parse_config
+from launch import elastic
+from launch.elastic import Mesh, choose_mesh, mesh_for_world, restart_line
+from launch.job import JobConfig
+from model import get_family
+from parallel.dims import LaunchEnv
+from tests.distributed import run_distributed
+from tests.test_families import scalars
+from tests.test_launch import HSDP_2X2, TORCHRUN, Launched, alive, free_port, tiny_args
+from tests.test_train import TINY, assert_close, train_losses
+
+
+def env(nodes: int, per_node: int = 2) -> LaunchEnv:
+    return LaunchEnv(0, 0, nodes * per_node, per_node, nodes)
+
+
+def test_the_mesh_follows_the_nodes_left_with_the_same_global_batch(monkeypatch) -> None:
+    """mesh=auto on 2 nodes x 2 ranks, then 1 node: dp_replicate 2 -> 1, dp_shard stays in the
+    node, grad accumulation 1 -> 2. Three nodes of 2 cannot hold a global batch of 16 in
+    micro-batches of 2: one line names the nodes left and what would fit."""
+    job = parse_config(JobConfig, [*TINY, "--parallel.mesh=auto", "--train.micro_batch_size=2"])
+    family = get_family(job.model.name)
+    args = family.build_args(job.model)
+    four, two = choose_mesh(job, family, args, env(2)), choose_mesh(job, family, args, env(1))
+    assert four == Mesh(4, 2, 2, 2, 1) and two == Mesh(2, 1, 1, 2, 2)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert restart_line(four, two, 12) == (
+        "world 4 -> 2 after a restart: dp_replicate 2 -> 1, grad accumulation 1 -> 2, "
+        "resumed from step 12"
+    )
+    assert restart_line(four, four, 12) is None
+    # The checkpoint's world was 4 nodes; 3 are left.
+    monkeypatch.setattr(elastic, "saved_mesh", lambda job: Mesh(8, 4, 4, 2, 1))
+    job.train.global_batch_size = 16
+    with pytest.raises(ConfigError) as refused:
+        mesh_for_world(job, family, args, env(3))
+    assert str(refused.value) == (
+        "world 8 -> 6 after a restart (3 node(s) left of 4, 2 ranks each; the run fits on 1, 2 "
+        "or 4 node(s)): train.global_batch_size (16) must be a multiple of "
+        "train.micro_batch_size (2) x data-parallel ranks (6)"
+    )
+    job.train.global_batch_size = 18  # 6 ranks hold it in micro-batches of 1
+    with pytest.raises(ConfigError, match=r"or here with train.micro_batch_size=1\)"):
+        mesh_for_world(job, family, args, env(3))
+    # A fixed mesh does not follow the world: the line says what would.
+    fixed = parse_config(JobConfig, [*TINY, "--parallel.dp_replicate=2", "--parallel.dp_shard=2"])
+    with pytest.raises(ConfigError, match=r"world 8 -> 2 .* fits on no number of such nodes"):
+        mesh_for_world(fixed, family, args, env(1))
+
+
+def store_host(port: int, agents: list[int], timeout: float) -> int:
+    """Which of the `agents` (PIDs) hosts the rendezvous store: the one listening on `port`.
+    The first agent to bind it hosts it; the others are its clients."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listening = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for row in Path(table).read_text().splitlines()[1:]:
+                cols = row.split()
+                if cols[1].endswith(f":{port:04X}") and cols[3] == "0A":  # 0A: LISTEN
+                    listening.add(f"socket:[{cols[9]}]")
+        for pid in agents:
+            try:
+                fds = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+            except OSError:
+                continue
+            if listening & set(fds):
+                return pid
+        time.sleep(0.2)
+    pytest.fail(f"no agent of {agents} listens on port {port} after {timeout} s")
+
+
+RESTART_LINE = re.compile(
+    r"world 4 -> 2 after a restart: dp_replicate 2 -> 1, grad accumulation 1 -> 2, "
+    r"resumed from step (\d+)"
+)
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_node_agent_goes_on_as_world_2_from_the_step_saved(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Agent B dies (kill -9): its ranks, and A's with them, finish the step and save it, then
+    exit non-zero; A restarts its workers as a world of 2 (mesh 1 x 2, accumulation 2), resumes
+    that step and finishes. No rank outlives its run. The losses after the restart are those of
+    a 2-rank run resumed from the same checkpoint."""
+    steps = 30
+    args = tiny_args(
+        tiny_dataset, tmp_path, f"--train.steps={steps}", "--checkpoint.interval=5",
+        "--checkpoint.keep_last=0", "--metrics.log_interval=1", "--metrics.tensorboard=true",
+    )  # fmt: skip
+    port = free_port()
+    node = {
+        "NNODES": "1:2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NPROC": "2",
+        "MAX_RESTARTS": "1", "TORCHRUN": TORCHRUN,
+        # The restart waits this long for nodes beyond the minimum (torchrun's default: 30).
+        "RDZV_CONF": "last_call_timeout=5",
+    }  # fmt: skip
+    cmd = ["launch/multinode.sh", *args]
+    both = Launched([tmp_path / "node0.log", tmp_path / "node1.log"], [cmd] * 2, [node] * 2)
+    try:
+        # The node that hosts the rendezvous store must outlive the others (docs/launch.md):
+        # B is the other one.
+        host = store_host(port, [p.pid for p in both.procs], timeout=60)
+        a, b = sorted(both.procs, key=lambda p: p.pid != host)
+        both.wait_for(r"checkpoint step 10:", timeout=120)
+        assert HSDP_2X2 in both.text(), both.text()[-3000:]
+        b_ranks = {rank: pid for rank, pid in both.worker_pids().items()
+                   if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                   == str(b.pid)}  # fmt: skip
+        assert len(b_ranks) == 2, b_ranks
+        killed = time.monotonic()
+        os.kill(b.pid, signal.SIGKILL)
+        resumed = both.wait_for(RESTART_LINE.pattern, timeout=120)
+        restart_s = time.monotonic() - killed
+        assert a.wait(timeout=120) == 0, both.text()[-4000:]
+        # B's ranks saved with the others, then exited: none is left behind.
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in b_ranks.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in b_ranks.values()), b_ranks
+    finally:
+        stragglers = both.worker_pids().values()
+        both.kill()
+        for pid in stragglers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    log = both.text()
+    step = int(resumed.group(1))
+    assert f"a node's launcher died: step {step} saved" in log, log[-3000:]
+    assert step >= 10 and re.search(rf"step {steps}/{steps}  loss", log[resumed.end() :])
+    # The same run: after the restart, the losses of a 2-rank run resumed from that checkpoint.
+    ckpt = tmp_path / "debug" / "checkpoints" / f"step-{step}"
+    ref_args = [*args, "--run.name=reference", f"--checkpoint.resume={ckpt}",
+                "--metrics.tensorboard=false"]  # fmt: skip
+    reference = run_distributed(train_losses, 2, ref_args)[0]
+    logged = scalars(tmp_path / "debug")["loss/train"]
+    assert len(logged) == steps
+    assert_close(logged[step:], reference, rtol=1e-6)
+    print(f"kill -9 of agent B after step >= 10: step {step} saved, resumed as world 2 "
+          f"{restart_s:.1f} s after the kill")  # fmt: skip
