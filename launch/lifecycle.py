@@ -41,6 +41,10 @@ class StopRequest:
     the signal missed stops with the others). One event can deliver the signal twice (Slurm
     signals every process of the job, and torchrun forwards its copy), so a repeat is not
     "hurry up"; the third signal exits at once, for a user who really means it.
+
+    A SIGTERM because this rank's launcher died (`launcher_lost`) is not a request: its node is
+    lost. The ranks still save the step in flight, then exit non-zero (train.py) so that
+    torchrun restarts the workers on the nodes that remain (launch/elastic.py).
     """
 
     def __init__(self) -> None:
