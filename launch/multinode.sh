@@ -74,6 +74,10 @@ check_number MASTER_PORT 1 65535
 check_number MAX_RESTARTS 0
 check_number TORCH_ELASTIC_SHUTDOWN_TIMEOUT 0
 if [[ $RDZV_BACKEND == static ]]; then check_number NODE_RANK 0 $(( MAX_NNODES - 1 )); fi
+if (( MIN_NNODES < MAX_NNODES && ${MAX_RESTARTS:-0} == 0 )); then
+    echo "$me: warning: NNODES=$NNODES with MAX_RESTARTS=0: a lost node ends the run instead" \
+        "of going on with the nodes left (set MAX_RESTARTS)" >&2
+fi
 
 TORCHRUN=${TORCHRUN:-torchrun}
 torchrun_path=$(command -v "${TORCHRUN%% *}" || true)
