@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from checkpoint.state import read_progress
 from configs import ConfigError, parse_config
 from launch import elastic
 from launch.elastic import Mesh, choose_mesh, mesh_for_world, restart_line
@@ -71,6 +73,32 @@ def test_the_mesh_follows_the_nodes_left_with_the_same_global_batch(monkeypatch)
     fixed = parse_config(JobConfig, [*TINY, "--parallel.dp_replicate=2", "--parallel.dp_shard=2"])
     with pytest.raises(ConfigError, match=r"world 8 -> 2 .* fits on no number of such nodes"):
         mesh_for_world(fixed, family, args, env(1))
+
+
+def test_a_stop_signal_is_a_lost_node_only_when_the_launcher_is_gone(monkeypatch) -> None:
+    """SIGTERM from a live launcher is a requested stop (exit 0 after saving); the same signal
+    once the launcher is gone (PR_SET_PDEATHSIG) is a lost node (exit 3, a restart)."""
+    from launch.lifecycle import STOP_SIGNALS, StopRequest
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("RANK", "0")
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    launcher = subprocess.Popen(["sleep", "60"])
+    try:
+        # As if that process had started this rank: the kernel re-parents a rank whose
+        # launcher died (getppid changes); until then the launcher is a zombie or gone.
+        monkeypatch.setattr(os, "getppid", lambda: launcher.pid)
+        stop = StopRequest()
+        stop.install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and not stop.launcher_lost
+        launcher.kill()
+        launcher.wait()
+        assert stop.launcher_lost
+    finally:
+        launcher.kill()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def store_host(port: int, agents: list[int], timeout: float) -> int:
@@ -178,3 +206,5 @@ def test_a_node_lost_mid_run_goes_on_as_world_2_with_the_same_global_batch(
     logged = scalars(tmp_path / "debug")["loss/train"]
     assert len(logged) == steps
     assert_close(logged[step:], reference, rtol=1e-6)
+    # Its data position: every sample of the global stream once, 8 per step on either world.
+    assert read_progress(tmp_path / "debug" / "checkpoints" / f"step-{steps}") == (steps, steps * 8)
