@@ -297,10 +297,11 @@ def _train(
         for line in summary.lines(reason, job.checkpoint.interval):
             logger.info("%s", line)
     if end.node_lost:  # not 0: torchrun restarts the workers on the nodes that remain
+        saved = f"step {run.progress.step} saved" if job.checkpoint.interval else "nothing saved"
         return end.losses, NodeLost(
-            f"a node's launcher died: step {run.progress.step} saved; exit status "
-            f"{NODE_LOST_EXIT} so that torchrun restarts the workers on the nodes that remain "
-            "(--nnodes=MIN:MAX, --max-restarts; docs/launch.md)"
+            f"a node's launcher died: {saved}; exit status {NODE_LOST_EXIT} so that torchrun "
+            "restarts the workers on the nodes that remain (--nnodes=MIN:MAX, --max-restarts; "
+            "docs/launch.md)"
         )
     return end.losses, None
 
