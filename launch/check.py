@@ -42,7 +42,7 @@ from data.loader import (
     open_sources,
 )
 from data.tasks import Task, load_tasks
-from launch.elastic import mesh_for_world
+from launch.elastic import mesh_for_world, unfit_node_counts
 from launch.job import JobConfig
 from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
@@ -314,17 +314,21 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
 # ---- python -m launch.check ------------------------------------------------------------------
 
 
-def validate(argv: list[str], env: LaunchEnv) -> int:
+def validate(argv: list[str], env: LaunchEnv, min_nodes: int | None = None) -> int:
     """Check a command line for the world a launcher is about to start, before any rank exists.
 
     `python -m launch.check` runs this once per job: a config error (bad key, a mesh that does
     not divide the world, missing data, a checkpoint that does not fit) then ends the job with
     one line and exit status 2, instead of every rank failing and torchrun retrying it.
-    Returns 0 when the config is fine, else 2 after logging the one line.
+    Returns 0 when the config is fine, else 2 after logging the one line. `min_nodes`: the
+    fewest nodes an elastic launch (--nnodes=MIN:MAX) may go on with; the node counts down to it
+    that could not hold the run are one warning.
     """
     try:
         job = parse_config(JobConfig, argv)
         plan = check_config(job, env)
+        if min_nodes and (line := unfit_node_counts(job, plan.family, plan.args, env, min_nodes)):
+            logger.warning("%s", line)
         if not job.dry_run and plan.resume is not None:
             verify_explicit_resume(job.checkpoint.resume, plan.resume.path)
         if not job.dry_run:  # a run folder in use: say so now, not after torchrun started
@@ -384,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nnodes", type=int, default=1, help="torchrun agents (nodes)")
     parser.add_argument("--local-world-size", type=int, help="ranks per node "
                         "(default world-size / nnodes)")  # fmt: skip
+    parser.add_argument("--min-nnodes", type=int, help="the fewest nodes an elastic launch "
+                        "may go on with (torchrun --nnodes=MIN:MAX)")  # fmt: skip
     args, train_argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
 
     setup_logging(0)
@@ -397,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         local_world_size=args.local_world_size or args.world_size // max(1, args.nnodes),
         num_nodes=args.nnodes,
     )
-    return validate(train_argv, env)
+    return validate(train_argv, env, args.min_nnodes)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,26 @@ def shrink_problem(
     )
 
 
+def unfit_node_counts(
+    job: JobConfig, family: ModelFamily, args: Any, env: LaunchEnv, min_nodes: int
+) -> str | None:
+    """At launch, for --nnodes=MIN:MAX: the node counts between MIN and this launch's that could
+    not hold the run, as one warning line (None when all can): a restart on them would stop."""
+    per_node, unfit = env.local_world_size, {}
+    for n in range(min_nodes, env.num_nodes):
+        try:
+            choose_mesh(job, family, args, LaunchEnv(0, 0, n * per_node, per_node, n))
+        except ConfigError as err:
+            unfit[n] = str(err)
+    if not unfit:
+        return None
+    first = min(unfit)
+    return (
+        f"nodes {min_nodes}:{env.num_nodes}: a restart on {_or(sorted(unfit))} node(s) would "
+        f"stop instead of training with another batch (on {first}: {unfit[first]})"
+    )
+
+
 def _fits(job: JobConfig, family: ModelFamily, args: Any, env: LaunchEnv) -> bool:
     try:
         choose_mesh(job, family, args, env)

@@ -117,10 +117,11 @@ case "$RDZV_BACKEND" in
 esac
 
 # Deterministic failures end here, on every node, before any rank starts: for the largest world
-# (a smaller one after a lost node is checked by the restarted ranks, launch/elastic.py).
+# (a smaller one after a lost node is checked again by the restarted ranks, launch/elastic.py;
+# the node counts in the range that could not hold the run are a warning now).
 PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -P -m launch.check \
     --world-size=$(( MAX_NNODES * NPROC )) --nnodes="$MAX_NNODES" --local-world-size="$NPROC" \
-    "$@" || exit
+    --min-nnodes="$MIN_NNODES" "$@" || exit
 
 # $TORCHRUN unquoted on purpose: it may be a command with arguments
 # (python -m torch.distributed.run).

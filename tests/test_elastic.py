@@ -19,7 +19,7 @@ import pytest
 from checkpoint.state import read_progress
 from configs import ConfigError, parse_config
 from launch import elastic
-from launch.elastic import Mesh, choose_mesh, mesh_for_world, restart_line
+from launch.elastic import Mesh, choose_mesh, mesh_for_world, restart_line, unfit_node_counts
 from launch.job import JobConfig
 from model import get_family
 from parallel.dims import LaunchEnv
@@ -66,6 +66,13 @@ def test_the_mesh_follows_the_nodes_left_with_the_same_global_batch(monkeypatch)
         "or 4 node(s)): train.global_batch_size (16) must be a multiple of "
         "train.micro_batch_size (2) x data-parallel ranks (6)"
     )
+    # At launch with NNODES=1:4, the node counts a restart could not go on with: a warning.
+    assert unfit_node_counts(job, family, args, env(4), min_nodes=1) == (
+        "nodes 1:4: a restart on 3 node(s) would stop instead of training with another batch "
+        "(on 3: train.global_batch_size (16) must be a multiple of train.micro_batch_size (2) x "
+        "data-parallel ranks (6))"
+    )
+    assert unfit_node_counts(job, family, args, env(2), min_nodes=1) is None
     job.train.global_batch_size = 18  # 6 ranks hold it in micro-batches of 1
     with pytest.raises(ConfigError, match=r"or here with train.micro_batch_size=1\)"):
         mesh_for_world(job, family, args, env(3))
