@@ -331,7 +331,10 @@ def validate(argv: list[str], env: LaunchEnv, min_nodes: int | None = None) -> i
             logger.warning("%s", line)
         if not job.dry_run and plan.resume is not None:
             verify_explicit_resume(job.checkpoint.resume, plan.resume.path)
-        if not job.dry_run:  # a run folder in use: say so now, not after torchrun started
+        # A run folder in use: say so now, not after torchrun started. Not for an elastic
+        # launch (min_nodes < nodes): a node that joins a running job finds its own run's lock
+        # held; a second run is still refused, by its rank 0 (train.py), a little later.
+        if not job.dry_run and not (min_nodes and min_nodes < env.num_nodes):
             lock = RunLock(Path(job.run.output_dir) / job.run.name)
             # A few tries: the checks of several nodes may probe a shared folder at once, each
             # holding the lock for an instant; a trainer holds it for the whole run.

@@ -136,26 +136,26 @@ RESTART_LINE = re.compile(
 )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("lost", ["agent", "node"])
-def test_a_node_lost_mid_run_goes_on_as_world_2_with_the_same_global_batch(
-    tiny_dataset: str, tmp_path: Path, lost: str
-) -> None:
-    """Two agents of 2 ranks (--nnodes=1:2); B is lost after the step-10 checkpoint.
+def children(agent: int, launched: Launched) -> dict[int, int]:
+    """{RANK: PID} of the workers of one agent."""
 
-    'agent': kill -9 of B's torchrun agent. Its ranks, and A's with them, finish the step in
-    flight and save it, then exit non-zero. 'node': B's agent and ranks killed at once (a node
-    that dies whole): A's ranks fail their next collective. Either way A restarts its workers as
-    a world of 2 (mesh 1 x 2, accumulation 2), resumes the newest checkpoint and finishes; no
-    rank outlives its run. After the restart, the losses are those of a 2-rank run resumed from
-    the same checkpoint ('agent' checks it)."""
-    steps = 30
-    args = tiny_args(
-        tiny_dataset, tmp_path, f"--train.steps={steps}", "--checkpoint.interval=5",
-        "--checkpoint.keep_last=0", "--metrics.log_interval=1", "--metrics.tensorboard=true",
-    )  # fmt: skip
-    port = free_port()
-    node = {
+    def parent(pid: int) -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+
+    return {rank: pid for rank, pid in launched.worker_pids().items() if parent(pid) == str(agent)}
+
+
+def end_all(*runs: Launched) -> None:
+    for run in runs:
+        stragglers = run.worker_pids().values()
+        run.kill()
+        for pid in stragglers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def node_env(port: int) -> dict[str, str]:
+    return {
         "NNODES": "1:2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NPROC": "2",
         "MAX_RESTARTS": "1", "TORCHRUN": TORCHRUN,
         # A restart waits for the dead agent's heartbeat to expire (keep_alive_interval x
@@ -163,8 +163,26 @@ def test_a_node_lost_mid_run_goes_on_as_world_2_with_the_same_global_batch(
         # nodes beyond the minimum (docs/launch.md).
         "RDZV_CONF": "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
     }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_kill_9_of_an_agent_goes_on_as_world_2_with_the_same_global_batch(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Two agents of 2 ranks (--nnodes=1:2); B's torchrun is killed (kill -9) after the step-10
+    checkpoint. Its ranks, and A's with them, finish the step in flight and save it, then exit
+    non-zero; A restarts its workers as a world of 2 (mesh 1 x 2, accumulation 2), resumes that
+    step and finishes; no rank outlives its run. After the restart, the losses are those of a
+    2-rank run resumed from the same checkpoint, and the data position ends where it must."""
+    steps = 30
+    args = tiny_args(
+        tiny_dataset, tmp_path, f"--train.steps={steps}", "--checkpoint.interval=5",
+        "--checkpoint.keep_last=0", "--metrics.log_interval=1", "--metrics.tensorboard=true",
+    )  # fmt: skip
+    port = free_port()
     cmd = ["launch/multinode.sh", *args]
-    both = Launched([tmp_path / "node0.log", tmp_path / "node1.log"], [cmd] * 2, [node] * 2)
+    both = Launched([tmp_path / "node0.log", tmp_path / "node1.log"], [cmd] * 2,
+                    [node_env(port)] * 2)  # fmt: skip
     try:
         # The node that hosts the rendezvous store must outlive the others (docs/launch.md):
         # B is the other one.
@@ -172,14 +190,10 @@ def test_a_node_lost_mid_run_goes_on_as_world_2_with_the_same_global_batch(
         a, b = sorted(both.procs, key=lambda p: p.pid != host)
         both.wait_for(r"checkpoint step 10:", timeout=120)
         assert HSDP_2X2 in both.text(), both.text()[-3000:]
-        b_ranks = {rank: pid for rank, pid in both.worker_pids().items()
-                   if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-                   == str(b.pid)}  # fmt: skip
+        b_ranks = children(b.pid, both)
         assert len(b_ranks) == 2, b_ranks
         killed = time.monotonic()
-        for pid in [b.pid, *b_ranks.values()] if lost == "node" else [b.pid]:
-            os.kill(pid, signal.SIGKILL)
-        last_before = last_logged_step(both.text())
+        os.kill(b.pid, signal.SIGKILL)
         resumed = both.wait_for(RESTART_LINE.pattern, timeout=120)
         restart_s = time.monotonic() - killed
         assert a.wait(timeout=120) == 0, both.text()[-4000:]
@@ -189,22 +203,13 @@ def test_a_node_lost_mid_run_goes_on_as_world_2_with_the_same_global_batch(
             time.sleep(0.1)
         assert not any(alive(pid) for pid in b_ranks.values()), b_ranks
     finally:
-        stragglers = both.worker_pids().values()
-        both.kill()
-        for pid in stragglers:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        end_all(both)
     log = both.text()
     step = int(resumed.group(1))
-    if lost == "agent":  # the step in flight was saved: nothing to redo
-        assert f"a node's launcher died: step {step} saved" in log, log[-3000:]
-    else:  # the newest periodic checkpoint
-        assert step % 5 == 0 and "a node's launcher died" not in log, log[-3000:]
+    assert f"a node's launcher died: step {step} saved" in log, log[-3000:]
     assert step >= 10 and re.search(rf"step {steps}/{steps}  loss", log[resumed.end() :])
-    print(f"{lost} lost after step >= {last_before}: resumed from step {step} as world 2, "
-          f"{restart_s:.1f} s after the kill")  # fmt: skip
-    if lost == "node":  # the same restart path: the parity below is checked once
-        return
+    print(f"agent lost: step {step} saved, resumed there as world 2 {restart_s:.1f} s after "
+          "the kill")  # fmt: skip
     # The same run: after the restart, the losses of a 2-rank run resumed from that checkpoint.
     ckpt = tmp_path / "debug" / "checkpoints" / f"step-{step}"
     ref_args = [*args, "--run.name=reference", f"--checkpoint.resume={ckpt}",
@@ -215,3 +220,59 @@ def test_a_node_lost_mid_run_goes_on_as_world_2_with_the_same_global_batch(
     assert_close(logged[step:], reference, rtol=1e-6)
     # Its data position: every sample of the global stream once, 8 per step on either world.
     assert read_progress(tmp_path / "debug" / "checkpoints" / f"step-{steps}") == (steps, steps * 8)
+
+
+GREW = re.compile(
+    r"world 2 -> 4 since the checkpoint: dp_replicate 1 -> 2, grad accumulation 2 -> 1, "
+    r"resumed from step (\d+)"
+)
+
+
+@pytest.mark.slow
+def test_a_node_that_joins_then_dies_whole(tiny_dataset: str, tmp_path: Path) -> None:
+    """Growing back, then a node lost whole. A starts alone (world 2); B joins: torchrun
+    restarts A's workers to admit it (they save the step in flight) and the run goes on as
+    world 4. Then B's agent and ranks are killed at once: A's ranks fail their next collective,
+    and A goes on as world 2 from the newest periodic checkpoint, redoing at most
+    checkpoint.interval steps. A stop signal ends the (long) run."""
+    args = tiny_args(
+        tiny_dataset, tmp_path, "--train.steps=100000", "--checkpoint.interval=5",
+        "--checkpoint.keep_last=2", "--metrics.log_interval=1",
+    )  # fmt: skip
+    port, cmd = free_port(), ["launch/multinode.sh", *args]
+    a = Launched([tmp_path / "nodeA.log"], [cmd], [node_env(port)])
+    b = None
+    try:
+        a.wait_for(r"step 3/\d+  loss", timeout=120)  # alone: B is not even started
+        b = Launched([tmp_path / "nodeB.log"], [cmd], [node_env(port)])
+        # Rank 0 of world 4 may be on either node: both logs.
+        deadline = time.monotonic() + 120
+        while not (grew := GREW.search(a.text() + b.text())):
+            assert time.monotonic() < deadline, (a.text() + b.text())[-3000:]
+            time.sleep(0.2)
+        # A checkpoint of world 4 first, so that the loss is of a node of a running world 4.
+        while max(map(int, re.findall(r"checkpoint step (\d+):", a.text() + b.text()))) <= int(
+            grew.group(1)
+        ):
+            assert time.monotonic() < deadline, (a.text() + b.text())[-3000:]
+            time.sleep(0.1)
+        b_ranks = children(b.procs[0].pid, b)
+        assert len(b_ranks) == 2, (b_ranks, (a.text() + b.text())[-3000:])
+        for pid in [b.procs[0].pid, *b_ranks.values()]:
+            os.kill(pid, signal.SIGKILL)
+        last_before = last_logged_step(a.text() + b.text())
+        resumed = a.wait_for(RESTART_LINE.pattern, timeout=120)
+        a.wait_for(rf"step {int(resumed.group(1)) + 2}/\d+  loss", timeout=60)
+        os.kill(a.procs[0].pid, signal.SIGTERM)  # a requested stop: the ranks save and exit 0
+        a.wait(timeout=60)
+        stopped = re.search(r"stopped by SIGTERM after step (\d+)", a.text()[resumed.end() :])
+        assert stopped, a.text()[-3000:]
+        assert not any(alive(pid) for pid in b_ranks.values()), b_ranks
+    finally:
+        end_all(a, *([b] if b else []))
+    step = int(resumed.group(1))
+    assert step % 5 == 0 and 0 <= last_before - step <= 5, (step, last_before)
+    assert "a node's launcher died" not in a.text() + b.text()
+    assert (tmp_path / "debug" / "checkpoints" / f"step-{stopped.group(1)}" / "COMPLETE").exists()
+    print(f"grew to world 4 at step {grew.group(1)}; node lost after step {last_before}, "
+          f"resumed as world 2 from step {step}")  # fmt: skip
