@@ -38,12 +38,14 @@ from checkpoint import (
     warn_if_low_space,
 )
 from checkpoint.hf import load_hf_weights
+from checkpoint.state import read_mesh
 from configs import ConfigError, HelpRequested, config_to_toml, parse_config
 from data.documents import MicroBatch, micro_batch
 from data.loader import DataSource, build_dataloader
 from data.stream import SourceMeter
 from data.tasks import Task, task_batches, task_scores
 from launch.check import Plan, check_config, dry_run, unintended_settings
+from launch.elastic import NODE_LOST_EXIT, Mesh, NodeLost, restart_line
 from launch.job import JobConfig, OptimizerConfig
 from launch.lifecycle import (
     RunLock,
@@ -163,7 +165,8 @@ def train(
     job: JobConfig, plan: Plan, env: LaunchEnv, stop: StopRequest | None = None
 ) -> list[float]:
     """Run training; returns the global training loss of every step it ran (after a resume,
-    only those after the checkpoint's step). `stop`: the installed signal handler, if any."""
+    only those after the checkpoint's step). `stop`: the installed signal handler, if any.
+    NodeLost: a rank's launcher died, and every rank saved the step in flight."""
     stop = stop or StopRequest()
     device = pick_device(job.parallel.device, env)
     init_distributed(device, env, job.parallel.timeout_s)
@@ -175,7 +178,7 @@ def train(
         dist.broadcast_object_list(refused, src=0)
         if refused[0] is not None:
             raise ConfigError(refused[0])
-        return _train(job, plan, env, device, stop)
+        losses, lost = _train(job, plan, env, device, stop)
     finally:
         lock.release()
         dist.destroy_process_group()
@@ -184,6 +187,9 @@ def train(
         # torn down after Python is half gone, and a rank now and then aborted there
         # ("terminate called without an active exception", exit -6) after a clean run.
         gc.collect()
+    if lost is not None:  # raised only now: a traceback through _train would keep it all alive
+        raise lost
+    return losses
 
 
 @dataclass
@@ -220,13 +226,17 @@ class StepResult:
     lr: float
     stop: bool
     """Some rank was asked to stop: every rank stops after this step."""
+    node_lost: bool
+    """Some rank's launcher died (its node is lost): the stop must end in a restart."""
     scalars: dict[str, float]
     """The model's own scalars to log (the family's step terms), at a log step."""
 
 
 def _train(
     job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device, stop: StopRequest
-) -> list[float]:
+) -> tuple[list[float], NodeLost | None]:
+    """The run; returns its losses, and what to raise once the process group is gone when a
+    node was lost (the step in flight saved)."""
     torch.manual_seed(job.train.seed)
     torch.use_deterministic_algorithms(job.train.deterministic)
     mesh = build_mesh(device, plan.dp_replicate, plan.dp_shard, plan.tp, plan.cp)
@@ -244,9 +254,12 @@ def _train(
     loader = build_loader(job, plan, "train", run.dp_rank, run.dp_size)
     # Resume: everything that changes during training is a Stateful in one dict, loaded in
     # place before the loader is iterated (DCP reshards it onto this mesh).
+    mesh_now = Mesh(env.world_size, env.num_nodes, plan.dp_replicate, plan.dp_shard,
+                    plan.grad_accum_steps)  # fmt: skip
     states = build_states(
-        run.model, run.optimizer, run.scheduler, loader, run.progress, config_toml
-    )
+        run.model, run.optimizer, run.scheduler, loader, run.progress, config_toml,
+        mesh_now.as_dict(),
+    )  # fmt: skip
     checkpointer = Checkpointer(job.checkpoint, ckpt_folder, env.rank == 0)
     if env.rank == 0 and job.checkpoint.interval > 0:
         # fp32 weights, plus AdamW's two fp32 moments of what trains (a lower bound: the data
@@ -257,10 +270,7 @@ def _train(
     # An older one if plan.resume is damaged; logs the resume, once verified.
     resumed = checkpointer.load(states, plan.resume, job.train.steps)
     if env.rank == 0 and resumed is not None and not resumed.model_only:
-        # Against the checkpoint loaded: after a fallback, an older one than check_config read.
-        same = plan.resume is not None and resumed.path == plan.resume.path
-        for change in plan.resume_changes if same else resume_changes(job, resumed.path):
-            logger.info("changed since the checkpoint, applied: %s", change)
+        log_resume_changes(job, plan, resumed.path, resumed.step, mesh_now)
     # The checkpoint brought its own lr, betas, ...: what this run's config says wins (the
     # changes were checked and listed by check_config).
     apply_optimizer_config(
@@ -283,7 +293,26 @@ def _train(
         reason = (stop.signal_name or "a signal to another rank") if end.stopped else None
         for line in summary.lines(reason, job.checkpoint.interval):
             logger.info("%s", line)
-    return end.losses
+    if end.node_lost:  # not 0: torchrun restarts the workers on the nodes that remain
+        saved = f"step {run.progress.step} saved" if job.checkpoint.interval else "nothing saved"
+        return end.losses, NodeLost(
+            f"a node's launcher died: {saved}; exit status {NODE_LOST_EXIT} so that torchrun "
+            "restarts the workers on the nodes that remain (--nnodes=MIN:MAX, --max-restarts; "
+            "docs/launch.md)"
+        )
+    return end.losses, None
+
+
+def log_resume_changes(job: JobConfig, plan: Plan, path: Path, step: int, mesh_now: Mesh) -> None:
+    """What differs from the checkpoint resumed: the settings (against the checkpoint loaded:
+    after a fallback, an older one than check_config read) and, on a world other than the
+    checkpoint's (an elastic restart after a lost node), the mesh, in one line."""
+    same = plan.resume is not None and path == plan.resume.path
+    for change in plan.resume_changes if same else resume_changes(job, path):
+        logger.info("changed since the checkpoint, applied: %s", change)
+    before = read_mesh(path)
+    if line := restart_line(Mesh(**before) if before else None, mesh_now, step):
+        logger.info("%s", line)  # the global batch did not change
 
 
 def setup(
@@ -345,7 +374,9 @@ def setup(
                to_batch, keep_gathered=keep_gathered)  # fmt: skip
 
 
-def train_step(run: Run, micro_batches: list[MicroBatch], stop: bool, log: bool) -> StepResult:
+def train_step(
+    run: Run, micro_batches: list[MicroBatch], stop: bool, log: bool, node_lost: bool = False
+) -> StepResult:
     """One optimizer step over the step's micro-batches: the loss normalized by the step's
     target tokens over all ranks, gradients accumulated and clipped, one all-reduce for the
     loss, the stop flag and the model's statistics, then the update (unless non-finite)."""
@@ -381,24 +412,27 @@ def train_step(run: Run, micro_batches: list[MicroBatch], stop: bool, log: bool)
             objective.backward()
         loss_sum += loss.detach()
     grad_norm = clip_grad_norm(model, t.max_grad_norm)
-    # The stop flag and the model's statistics ride on the loss all-reduce: every rank stops
-    # after the same step, also one that the signal did not reach, with no extra collective.
-    summed = torch.cat([torch.stack([loss_sum, torch.tensor(float(stop), device=loss_sum.device)]),
+    # The stop flags (asked to stop; a launcher died) and the model's statistics ride on the
+    # loss all-reduce: every rank stops after the same step, also one that the signal did not
+    # reach, with no extra collective.
+    flags = torch.tensor([float(stop), float(node_lost)], device=loss_sum.device)
+    summed = torch.cat([loss_sum.view(1), flags,
                         stats if stats is not None else loss_sum.new_zeros(0)])  # fmt: skip
     dist.all_reduce(summed)
-    # One device-to-host copy for the three values every rank needs now.
-    loss_value, stop_value, norm_value = torch.stack([summed[0], summed[1], grad_norm]).tolist()
+    # One device-to-host copy for the four values every rank needs now.
+    needed = torch.cat([summed[:3], grad_norm.view(1)]).tolist()
+    loss_value, stop_value, lost_value, norm_value = needed
     if math.isfinite(loss_value) and math.isfinite(norm_value):
         run.optimizer.step()
         run.skipped_in_a_row = 0
     else:
         non_finite(run, loss_value, norm_value)
     # Every tp rank added the same statistics: / tp.
-    scalars = run.built.after_step(summed[2:] / tp if stats is not None else None, log)
+    scalars = run.built.after_step(summed[3:] / tp if stats is not None else None, log)
     run.optimizer.zero_grad(set_to_none=True)
     lr = run.optimizer.param_groups[0]["lr"]
     run.scheduler.step()
-    return StepResult(loss_value, norm_value, lr, stop_value > 0, scalars)
+    return StepResult(loss_value, norm_value, lr, stop_value > 0, lost_value > 0, scalars)
 
 
 def non_finite(run: Run, loss: float, grad_norm: float) -> None:
@@ -433,6 +467,8 @@ class LoopEnd:
     saved: Path | None = None
     stopped: bool = False
     """A signal stopped the run before train.steps."""
+    node_lost: bool = False
+    """It was a lost node's: the step was saved, and the workers must restart without it."""
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -463,7 +499,7 @@ def loop(
         log = step % job.metrics.log_interval == 0 or step == t.steps
         # One step (by default none) under torch.profiler: see metrics.profile_step.
         with profile_step(job.metrics, step, run_dir, run.env.rank):
-            result = train_step(run, micro_batches, stop.requested, log)
+            result = train_step(run, micro_batches, stop.requested, log, stop.launcher_lost)
         end.losses.append(result.loss)
         progress.step = step
         progress.samples_seen += t.global_batch_size
@@ -484,7 +520,7 @@ def loop(
             end.saved = step_dir(checkpointer.folder, step)
             timer.lap()  # nor is saving: its time is logged on its own line
         if result.stop:
-            end.stopped = True
+            end.stopped, end.node_lost = True, result.node_lost
             break
     metrics.close()
     return end
@@ -674,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
         return report(env, f"config error: {err}", 2)
     except (NonFiniteError, CheckpointError) as err:  # one line each, e.g. a full disk
         return report(env, str(err), 1)
+    except NodeLost as err:  # one line per node left: each agent restarts its own workers
+        return report(env, str(err), NODE_LOST_EXIT, everywhere=env.local_rank == 0)
     return 0
 
 

@@ -45,7 +45,7 @@ from checkpoint.layout import (
     step_dir,
 )
 from checkpoint.resume import DAMAGED_HINT, ResumePoint
-from checkpoint.state import CONFIG, MODEL
+from checkpoint.state import CONFIG, MESH, MODEL
 from configs import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,8 @@ class Checkpointer:
                 logger.warning("checkpoint: skipping damaged %s: %s", resume.path, why)
             resume = resume.fallback(why)  # every rank has the same findings: same choice
         start = time.perf_counter()
-        wanted = [MODEL] if resume.model_only else [k for k in states if k != CONFIG]
+        written_only = (CONFIG, MESH)  # for tools and humans (the mesh: launch/elastic.py)
+        wanted = [MODEL] if resume.model_only else [k for k in states if k not in written_only]
         dcp.load({k: states[k] for k in wanted}, checkpoint_id=resume.path)
         seconds = time.perf_counter() - start
         if self.is_rank0 and resume.model_only:

@@ -13,6 +13,7 @@ keys (the constants MODEL, OPTIMIZER, ... below) are the checkpoint format that 
 | `dataloader` | the train loader's state: global stream positions consumed | loaded |
 | `train` | step, samples and tokens seen, RNG states | loaded |
 | `config` | the resolved config as TOML text, for tools and humans | never |
+| `mesh` | world, nodes, dp_replicate, dp_shard, grad accumulation (launch/elastic.py) | never |
 
 DCP saves sharded tensors once per shard and replicated values (plain tensors, Python objects)
 once, deduplicated across ranks; every rank reads what it needs when loading, so a checkpoint
@@ -49,6 +50,9 @@ LR_SCHEDULER = "lr_scheduler"
 DATALOADER = "dataloader"
 TRAIN = "train"
 CONFIG = "config"
+MESH = "mesh"
+# What a checkpoint's mesh entry records (launch/elastic.py's Mesh).
+MESH_FIELDS = ("world_size", "nodes", "dp_replicate", "dp_shard", "grad_accum_steps")
 
 
 def plain_tensors(state: Any) -> Any:
@@ -180,8 +184,10 @@ def build_states(
     loader: StatefulDataLoader,
     progress: TrainState,
     config_toml: str,
+    mesh: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """The dict handed to DCP: every entry a Stateful, plus the config text."""
+    """The dict handed to DCP: every entry a Stateful, plus the config text and the mesh it is
+    saved on (both written, never loaded)."""
     return {
         MODEL: ModelState(model),
         OPTIMIZER: OptimizerState(model, optimizer),
@@ -189,7 +195,7 @@ def build_states(
         DATALOADER: DataLoaderState(loader),
         TRAIN: progress,
         CONFIG: config_toml,
-    }
+    } | ({MESH: dict(mesh)} if mesh is not None else {})
 
 
 # ---- reading a checkpoint in one process, with no process group -----------------------------
@@ -221,3 +227,14 @@ def read_run_config(checkpoint_dir: Path, entries: set[str]) -> tuple[dict, str]
         return tomllib.loads(text), source
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"cannot read the config from {source}: {e}") from e
+
+
+def read_mesh(path: Path) -> dict[str, int] | None:
+    """The mesh entry of a checkpoint ({field: value} of MESH_FIELDS), or None for one saved
+    without it (by an older version of this trainer)."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if not all(f"{MESH}.{name}" in keys for name in MESH_FIELDS):
+        return None
+    state = {MESH: dict.fromkeys(MESH_FIELDS, 0)}
+    load_no_dist(state, path)
+    return state[MESH]

@@ -42,6 +42,7 @@ from data.loader import (
     open_sources,
 )
 from data.tasks import Task, load_tasks
+from launch.elastic import mesh_for_world, unfit_node_counts
 from launch.job import JobConfig
 from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
@@ -50,8 +51,7 @@ from model import ModelFamily, get_family, get_hf_mapping
 from parallel.ac import ActivationCheckpointConfig
 from parallel.build import build_model
 from parallel.cp import check_cp
-from parallel.dims import LaunchEnv, resolve_dims
-from parallel.ep import check_ep
+from parallel.dims import LaunchEnv
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
 from parallel.loss import check_chunked_loss
 from parallel.plan import model_shape, plan_communication, plan_memory
@@ -105,20 +105,16 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     same ConfigError and exits before a collective could wait on a missing peer."""
     family = get_family(job.model.name)
     args = family.build_args(job.model)
-    dp_replicate, dp_shard = resolve_dims(job.parallel, env)
+    # The mesh and grad accumulation for this world (after an elastic restart, a smaller one:
+    # same global batch, or one line that says what would fit; launch/elastic.py).
+    mesh = mesh_for_world(job, family, args, env)
+    dp_replicate, dp_shard, accum = mesh.dp_replicate, mesh.dp_shard, mesh.grad_accum_steps
     check_tp(family, args, job.parallel.tp, job.model.name)
     check_chunked_loss(family, job.train.loss_chunk_tokens,
                        job.parallel.reshard_after_forward, job.model.name)  # fmt: skip
-    fsdp_ranks = dp_shard * job.parallel.cp  # FSDP and EP take cp ranks as data-parallel ones
-    check_ep(family, args, job.parallel, fsdp_ranks, job.compile.enabled, job.model.name)
     check_cp(job.parallel, job.data.seq_len)
     dp = dp_replicate * dp_shard
     t = job.train
-    if t.global_batch_size % (t.micro_batch_size * dp) != 0:
-        raise ConfigError(
-            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-            f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({dp})"
-        )
     # A dry run needs no data: it reports the plan for a cluster the data may not be on yet.
     paths = data_paths(job.data)
     present = bool(paths) and all(Path(path).exists() for path in paths)
@@ -173,7 +169,6 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
             f"checkpoint.resume=none but run {job.run.name!r} already has checkpoints, which "
             "this run would prune (keep_last): choose another run.name or checkpoint.folder"
         )
-    accum = t.global_batch_size // (t.micro_batch_size * dp)
     dataset = sources[0].index if sources else None
     return Plan(
         family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes),
@@ -314,20 +309,27 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
 # ---- python -m launch.check ------------------------------------------------------------------
 
 
-def validate(argv: list[str], env: LaunchEnv) -> int:
+def validate(argv: list[str], env: LaunchEnv, min_nodes: int | None = None) -> int:
     """Check a command line for the world a launcher is about to start, before any rank exists.
 
     `python -m launch.check` runs this once per job: a config error (bad key, a mesh that does
     not divide the world, missing data, a checkpoint that does not fit) then ends the job with
     one line and exit status 2, instead of every rank failing and torchrun retrying it.
-    Returns 0 when the config is fine, else 2 after logging the one line.
+    Returns 0 when the config is fine, else 2 after logging the one line. `min_nodes`: the
+    fewest nodes an elastic launch (--nnodes=MIN:MAX) may go on with; the node counts down to it
+    that could not hold the run are one warning.
     """
     try:
         job = parse_config(JobConfig, argv)
         plan = check_config(job, env)
+        if min_nodes and (line := unfit_node_counts(job, plan.family, plan.args, env, min_nodes)):
+            logger.warning("%s", line)
         if not job.dry_run and plan.resume is not None:
             verify_explicit_resume(job.checkpoint.resume, plan.resume.path)
-        if not job.dry_run:  # a run folder in use: say so now, not after torchrun started
+        # A run folder in use: say so now, not after torchrun started. Not for an elastic
+        # launch (min_nodes < nodes): a node that joins a running job finds its own run's lock
+        # held; a second run is still refused, by its rank 0 (train.py), a little later.
+        if not job.dry_run and not (min_nodes and min_nodes < env.num_nodes):
             lock = RunLock(Path(job.run.output_dir) / job.run.name)
             # A few tries: the checks of several nodes may probe a shared folder at once, each
             # holding the lock for an instant; a trainer holds it for the whole run.
@@ -384,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nnodes", type=int, default=1, help="torchrun agents (nodes)")
     parser.add_argument("--local-world-size", type=int, help="ranks per node "
                         "(default world-size / nnodes)")  # fmt: skip
+    parser.add_argument("--min-nnodes", type=int, help="the fewest nodes an elastic launch "
+                        "may go on with (torchrun --nnodes=MIN:MAX)")  # fmt: skip
     args, train_argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
 
     setup_logging(0)
@@ -397,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         local_world_size=args.local_world_size or args.world_size // max(1, args.nnodes),
         num_nodes=args.nnodes,
     )
-    return validate(train_argv, env)
+    return validate(train_argv, env, args.min_nnodes)
 
 
 if __name__ == "__main__":

@@ -41,11 +41,16 @@ class StopRequest:
     the signal missed stops with the others). One event can deliver the signal twice (Slurm
     signals every process of the job, and torchrun forwards its copy), so a repeat is not
     "hurry up"; the third signal exits at once, for a user who really means it.
+
+    A SIGTERM because this rank's launcher died (`launcher_lost`) is not a request: its node is
+    lost. The ranks still save the step in flight, then exit non-zero (train.py) so that
+    torchrun restarts the workers on the nodes that remain (launch/elastic.py).
     """
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
         self._count = 0
+        self._launcher = os.getppid() if launched_by_torchrun() else None
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
@@ -62,11 +67,22 @@ class StopRequest:
             # when torchrun stops the ranks): "stopping after the current step" would be false,
             # and would follow the reason as the run's last line. The request still counts.
             if sys.exc_info()[1] is None:
-                logger.warning("%s received: stopping after the current step", name)
+                why = ": its launcher died" if self.launcher_lost else ""
+                logger.warning("%s received%s: stopping after the current step", name, why)
 
     @property
     def requested(self) -> bool:
         return self.signal_name is not None
+
+    @property
+    def launcher_lost(self) -> bool:
+        """The stop signal came because this rank's torchrun agent died (exit_with_launcher's
+        SIGTERM), not from a user or a scheduler: its node is lost, and the run must go on
+        without it. Asked again on each read: while the agent's threads are still exiting, the
+        signal may arrive before the kernel re-parents this rank."""
+        if self.signal_name is None or self._launcher is None or sys.platform != "linux":
+            return False  # (PR_SET_PDEATHSIG is Linux's: elsewhere no launcher sends one)
+        return os.getppid() != self._launcher or not _running(self._launcher)
 
 
 def exit_with_launcher() -> None:
@@ -137,6 +153,17 @@ class RunLock:
             self._file.truncate(0)
             self._file.close()  # closing drops the flock
             self._file = None
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (Linux: /proc; elsewhere: it exists)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        return _pid_alive(pid)
+    return state not in ("Z", "X")
 
 
 def _pid_alive(pid: int) -> bool:

@@ -5,12 +5,21 @@
 # MASTER_ADDR:MASTER_PORT is the rendezvous endpoint, an address of node 0 every node can reach.
 # With parallel.mesh=auto the run is HSDP: dp_replicate = NNODES, dp_shard = NPROC.
 #
+# Elastic: NNODES=MIN:MAX (say 1:2) starts with up to MAX nodes and goes on with as few as MIN.
+# When a node is lost, torchrun on each node that remains restarts its workers (MAX_RESTARTS
+# must be > 0) as a smaller world, which resumes from the newest checkpoint with the same global
+# batch and more grad accumulation (launch/elastic.py; docs/launch.md, "Losing a node"). Needs
+# RDZV_BACKEND=c10d, parallel.mesh=auto (or parallel.dp_replicate=-1), and the rendezvous
+# endpoint's node must survive: it hosts the store.
+#
 # Optional:
 #   NPROC          processes per node (default: the visible GPUs, or 1 without a GPU)
 #   RDZV_BACKEND   c10d (default): nodes join in any order and ranks are assigned at
 #                  rendezvous, NODE_RANK is not needed; static: NODE_RANK (0..NNODES-1) fixes
 #                  the ranks and node 0 hosts the store at MASTER_ADDR:MASTER_PORT
 #   RDZV_ID        job id shared by the nodes of one run (default: fsdp2)
+#   RDZV_CONF      torchrun's --rdzv-conf, e.g. last_call_timeout=5,join_timeout=600 (default:
+#                  torchrun's; see docs/launch.md for the settings that make a restart fast)
 #   MAX_RESTARTS   times torchrun restarts all workers after a failure (default 0); each restart
 #                  resumes from the latest checkpoint (checkpoint.resume=auto), so set
 #                  --checkpoint.interval
@@ -46,12 +55,29 @@ check_number() {  # check_number NAME MIN [MAX]: $NAME, if set, is a whole numbe
     echo "$me: $1 must be a whole number $range, got '$value'" >&2
     exit 2
 }
-check_number NNODES 1
+# NNODES=MIN:MAX: an elastic range (torchrun --nnodes=MIN:MAX).
+if [[ ${NNODES:-} == *:* ]]; then
+    MIN_NNODES=${NNODES%%:*} MAX_NNODES=${NNODES#*:}
+    check_number MIN_NNODES 1
+    check_number MAX_NNODES 1
+    if (( MIN_NNODES > MAX_NNODES )) || [[ $RDZV_BACKEND != c10d ]]; then
+        echo "$me: NNODES=$NNODES must be MIN:MAX with MIN <= MAX, and RDZV_BACKEND=c10d" \
+            "(a static rendezvous has a fixed number of nodes)" >&2
+        exit 2
+    fi
+else
+    check_number NNODES 1
+    MIN_NNODES=$NNODES MAX_NNODES=$NNODES
+fi
 check_number NPROC 1
 check_number MASTER_PORT 1 65535
 check_number MAX_RESTARTS 0
 check_number TORCH_ELASTIC_SHUTDOWN_TIMEOUT 0
-if [[ $RDZV_BACKEND == static ]]; then check_number NODE_RANK 0 $(( NNODES - 1 )); fi
+if [[ $RDZV_BACKEND == static ]]; then check_number NODE_RANK 0 $(( MAX_NNODES - 1 )); fi
+if (( MIN_NNODES < MAX_NNODES && ${MAX_RESTARTS:-0} == 0 )); then
+    echo "$me: warning: NNODES=$NNODES with MAX_RESTARTS=0: a lost node ends the run instead" \
+        "of going on with the nodes left (set MAX_RESTARTS)" >&2
+fi
 
 TORCHRUN=${TORCHRUN:-torchrun}
 torchrun_path=$(command -v "${TORCHRUN%% *}" || true)
@@ -84,15 +110,18 @@ export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQ
 
 case "$RDZV_BACKEND" in
     c10d) rdzv=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
-                --rdzv-id="${RDZV_ID:-fsdp2}") ;;
+                --rdzv-id="${RDZV_ID:-fsdp2}" ${RDZV_CONF:+--rdzv-conf="$RDZV_CONF"}) ;;
     static) rdzv=(--node-rank="${NODE_RANK:?set NODE_RANK (0..NNODES-1) for static rendezvous}"
                   --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT") ;;
     *) echo "RDZV_BACKEND must be c10d or static, got '$RDZV_BACKEND'" >&2; exit 2 ;;
 esac
 
-# Deterministic failures end here, on every node, before any rank starts.
+# Deterministic failures end here, on every node, before any rank starts: for the largest world
+# (a smaller one after a lost node is checked again by the restarted ranks, launch/elastic.py;
+# the node counts in the range that could not hold the run are a warning now).
 PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -P -m launch.check \
-    --world-size=$(( NNODES * NPROC )) --nnodes="$NNODES" --local-world-size="$NPROC" "$@" || exit
+    --world-size=$(( MAX_NNODES * NPROC )) --nnodes="$MAX_NNODES" --local-world-size="$NPROC" \
+    --min-nnodes="$MIN_NNODES" "$@" || exit
 
 # $TORCHRUN unquoted on purpose: it may be a command with arguments
 # (python -m torch.distributed.run).

@@ -325,6 +325,8 @@ BAD_NUMBERS = [
     ("torchrun.sh", {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30s"},
      "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a whole number >= 0, got '30s'"),
     ("multinode.sh", {"NNODES": "two"}, "NNODES must be a whole number >= 1, got 'two'"),
+    ("multinode.sh", {"NNODES": "1:x"}, "MAX_NNODES must be a whole number >= 1, got 'x'"),
+    ("multinode.sh", {"NNODES": "3:2"}, "NNODES=3:2 must be MIN:MAX with MIN <= MAX"),
     ("multinode.sh", {"NPROC": "08"}, "NPROC must be a whole number >= 1, got '08'"),
     ("multinode.sh", {"MASTER_PORT": "70000"}, "MASTER_PORT must be a whole number in 1..65535"),
     ("multinode.sh", {"MAX_RESTARTS": "-1"}, "MAX_RESTARTS must be a whole number >= 0, got '-1'"),
