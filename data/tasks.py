@@ -199,9 +199,10 @@ def _example(line: str, kind: TaskKind, where: str) -> tuple[str, list[str], int
 
 def encode_request(tokenizer: Tokenizer, eos_id: int, context: str, continuation: str) -> Request:
     """EOS + context + continuation as lm-eval-harness splits them: the context's trailing
-    spaces move to the continuation, the pair is encoded whole, and the continuation is what
-    follows the context's own tokens (so a merge across the boundary stays one token)."""
-    spaces = len(context) - len(context.rstrip(" "))
+    whitespace (spaces, newlines, as str.rstrip() strips) moves to the continuation and is
+    scored with it, the pair is encoded whole, and the continuation is what follows the
+    context's own tokens (so a merge across the boundary stays one token)."""
+    spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = tokenizer.encode(context + continuation)

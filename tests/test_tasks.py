@@ -31,9 +31,9 @@ def write_tasks(folder: Path) -> tuple[Path, Path]:
     rng = random.Random(0)
     mc, lm = folder / "mc.jsonl", folder / "lm.jsonl"
     lines = []
-    for _ in range(13):
-        # The context's trailing space moves to the continuation, as lm-eval-harness does.
-        context = " ".join(rng.choice(WORDS) for _ in range(2)) + " "
+    for i in range(13):
+        # A context's trailing whitespace moves to the continuation, as lm-eval-harness does.
+        context = " ".join(rng.choice(WORDS) for _ in range(2)) + (" ", "\n", "")[i % 3]
         lines.append(
             {"context": context, "choices": rng.sample(WORDS, 3), "gold": rng.randrange(3)}
         )
@@ -173,7 +173,7 @@ def test_missing_task_file_stops_the_run_at_startup(tiny_dataset: str, tmp_path:
 def test_tokens_and_targets_of_a_request(tmp_path: Path) -> None:
     """EOS + context + continuation; the targets are the continuation's bytes exactly, at the
     positions that predict them; limit keeps the first examples."""
-    from data.tasks import task_batches
+    from data.tasks import encode_request, task_batches
 
     file = tmp_path / "t.jsonl"
     file.write_text('{"context": "ab ", "choices": ["c", "de"], "gold": 1}\n' * 3)
@@ -186,6 +186,8 @@ def test_tokens_and_targets_of_a_request(tmp_path: Path) -> None:
     assert targets[0].tolist() == [-100, -100, *b" de", -100, -100, -100]
     # 4 requests over 3 ranks: 2, 1 and 1, but every rank runs 2 batches of 1.
     assert [len(list(task_batches(task, r, 3, 1, 8))) for r in range(3)] == [2, 2, 2]
+    # Any trailing whitespace moves over and is scored, as lm-eval-harness's rstrip() does.
+    assert encode_request(ByteTokenizer(), EOS, "ab\n\t", "c") == ([EOS, *b"ab\n\tc"], 3)
 
 
 def test_the_debug_task_is_deterministic_and_real(tmp_path: Path) -> None:
