@@ -97,7 +97,8 @@ def test_chunked_loss_config_errors(
     from parallel.dims import LaunchEnv
     from tests.test_train import TINY
 
-    argv = [f"--data.path={tiny_dataset}", *TINY, "--train.loss_chunk_tokens=16", *extra]
+    argv = [f"--data.path={tiny_dataset}", *TINY, "--train.loss_chunk_tokens=16",
+            "--train.micro_batch_size=4", *extra]  # fmt: skip
     with pytest.raises(ConfigError, match=message) as err:
         check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, world, world, 1))
     assert "\n" not in str(err.value)
