@@ -218,6 +218,8 @@ _SHORT = {
     "time/data_fraction": ("data_wait", "{:.1%}"),
     "memory/max_allocated_gib": ("mem", "{:.2f}GiB"),
     "memory/max_rss_gib": ("rss", "{:.2f}GiB"),
+    "straggler/slowest_rank": ("slowest rank", "{:.0f}"),
+    "straggler/lag_s": ("lag", "{:.3f}s"),
 }
 
 
