@@ -21,11 +21,15 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from configs import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used: `python -m launch.hangs` reads a run folder without it
+# (seconds sooner, and on a login node with no torch).
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +224,7 @@ def dump_flight_recorder(run_dir: Path, rank: int) -> Path | None:
     dump call is private torch API: there is no public one (torch 2.11-2.13)."""
     if not int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0")):
         return None
+    import torch
     path = run_dir / "comm_traces" / f"rank_{rank}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -256,6 +261,9 @@ class StragglerMeter:
     def gather(self) -> dict[str, float]:
         """Every rank calls it at the same log step: one all-gather of 3 numbers per rank.
         Returns the straggler scalars (the same on every rank) and warns on rank 0."""
+        import torch
+        import torch.distributed as dist
+
         s, d, w, n = self._sums
         self._sums = (0.0, 0.0, 0.0, 0)
         mine = torch.tensor([s, d, w], dtype=torch.float64, device=self.device) / max(n, 1)
