@@ -225,6 +225,7 @@ def dump_flight_recorder(run_dir: Path, rank: int) -> Path | None:
     if not int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0")):
         return None
     import torch
+
     path = run_dir / "comm_traces" / f"rank_{rank}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
