@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -501,7 +501,8 @@ def loop(
     # per source and sees a source run out without asking the other ranks or the workers.
     sources_seen = SourceMeter(loader.batch_sampler.stream, job.data.seq_len, progress.samples_seen)
     # After a resume, TensorBoard drops what an earlier attempt logged past the checkpoint.
-    metrics = MetricsLogger(job.metrics, run_dir, is_rank0, t.steps, purge_step=progress.step + 1)
+    metrics = MetricsLogger(job.metrics, run_dir, is_rank0, t.steps, purge_step=progress.step + 1,
+                            config=asdict(job))  # fmt: skip
     meter, tokens_per_step = throughput_meter(run), t.global_batch_size * job.data.seq_len
     timer, end = Timer(run.device), LoopEnd()
     stragglers = StragglerMeter(job.health, run.device, run.env.rank, run.env.world_size)

@@ -155,6 +155,7 @@ def train_with_a_slow_rank(argv: list[str]) -> list[str]:
 
     train.micro_batch = slow_batch
     assert train.main(argv) == 0
+    assert "wandb" not in sys.modules  # metrics.wandb=false: never imported
     return seen
 
 
@@ -215,3 +216,58 @@ def record_and_dump(run_dir: str) -> None:
         with pytest.raises(RuntimeError, match="Timed out|closed"):
             dist.barrier()
     dump_flight_recorder(Path(run_dir), dist.get_rank())
+
+
+def wandb_history(path: Path) -> list[dict]:
+    """The history rows of an offline W&B run file (run-*.wandb): wandb's record log, blocks
+    of 32 KiB holding records of <crc32, length, type> + a protobuf `Record` (no reader of
+    it ships with wandb >= 0.19)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, rows, pending = path.read_bytes(), 32768, [], b""
+    assert data[:4] == b":W&B", data[:7]
+    pos = 7
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little room left in the block for a header: padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if length == 0 and kind == 0:
+            break
+        pending, pos = pending + data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or the last part of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                items = record.history.item
+                rows.append(
+                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+                )
+    return rows
+
+
+@pytest.mark.slow
+def test_wandb_offline_gets_the_scalars_tensorboard_gets(tiny_dataset: str, tmp_path: Path) -> None:
+    pytest.importorskip("wandb")
+    from tests.test_train import train_losses
+
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            "--train.steps=6", "--metrics.log_interval=2", "--metrics.tensorboard=true",
+            "--metrics.wandb=true", "--metrics.wandb_mode=offline", "--train.eval_interval=6",
+            "--train.eval_batches=1", "--train.micro_batch_size=4"]  # fmt: skip
+    run_distributed(train_losses, 2, argv, env={"WANDB_SILENT": "true"})
+    tensorboard = tensorboard_scalars(tmp_path / "debug" / "tensorboard")
+    (run_file,) = (tmp_path / "debug" / "wandb").glob("offline-run-*/run-*.wandb")
+    wandb: dict[str, dict[int, float]] = {}
+    for row in wandb_history(run_file):
+        for tag, value in row.items():
+            if not tag.startswith("_"):
+                wandb.setdefault(tag, {})[row["_step"]] = value
+    assert set(wandb) == set(tensorboard) and "straggler/lag_s" in wandb and "loss/val" in wandb
+    for tag, points in tensorboard.items():
+        assert [step for step, _ in points] == sorted(wandb[tag]), tag
+        # TensorBoard keeps float32.
+        assert [v for _, v in points] == pytest.approx([wandb[tag][s] for s, _ in points], rel=1e-6)
