@@ -198,7 +198,7 @@ def train(
         if isinstance(err, CollectiveFailure) or collective_failure(err) is None:
             raise
         # One line instead of a traceback from inside FSDP, and the evidence kept on disk.
-        dump_flight_recorder(run_dir, env.rank)
+        dump_flight_recorder(run_dir, env.rank, nccl=device.type == "cuda")
         timeout = job.parallel.steady_timeout_s if heartbeat.step > 1 else job.parallel.timeout_s
         line = hang_line(err, heartbeat, env.world_size, timeout)
         ended = "failed: " + line
@@ -389,11 +389,11 @@ def train_step(run: Run, micro_batches: list[MicroBatch], stop: bool, log: bool)
     global_tokens = sum((b.targets != -100).sum() for b in micro_batches).float()
     # Timed (so synchronized, on a GPU) for the straggler meter: how long this rank waits here
     # is how much later the last rank arrived. The GPU is idle here anyway, between steps.
-    step = run.progress.step + 1
+    step, timed = run.progress.step + 1, run.job.health.stragglers
     run.heartbeat.beat(step, "forward")
-    started = synchronized_time(global_tokens.device)
+    started = synchronized_time(global_tokens.device) if timed else 0.0
     dist.all_reduce(global_tokens)
-    wait_s = synchronized_time(global_tokens.device) - started
+    wait_s = synchronized_time(global_tokens.device) - started if timed else 0.0
     loss_sum = torch.zeros((), device=global_tokens.device)
     stats = None  # the model's step statistics, summed over micro-batches
     for i, batch in enumerate(micro_batches):
@@ -530,7 +530,7 @@ def loop(
         if log:
             beat(step, "log")
             scalars = {"loss/train": result.loss, "lr": result.lr, "grad_norm": result.grad_norm}
-            if run.env.world_size > 1:  # one all-gather of 3 numbers per rank
+            if job.health.stragglers and run.env.world_size > 1:  # 3 numbers from each rank
                 scalars |= stragglers.gather()
             eta = (time.perf_counter() - end.started) / len(end.losses) * (t.steps - step)
             scalars |= result.scalars | source_scalars | meter.summary() | memory_stats(run.device)

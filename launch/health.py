@@ -39,6 +39,9 @@ class HealthConfig:
     heartbeat_interval_s: float = 5.0
     """Seconds between rewrites of each rank's <run dir>/heartbeat/rank_N.json (0 = none). A
     heartbeat older than twice this names a frozen or dead rank in a hang's line."""
+    stragglers: bool = True
+    """Gather every rank's step time, data wait and wait for the others at each log line (one
+    all-gather per log interval) and name the slowest rank."""
     straggler_factor: float = 1.5
     """A rank whose own work per step (its step time less its wait for the others) is this
     many times the median rank's is a straggler."""
@@ -216,20 +219,23 @@ def hang_line(err: BaseException, heartbeat: Heartbeat, world_size: int, timeout
     "kernel (see comm_traces/ and python -m launch.hangs)"
 
 
-def dump_flight_recorder(run_dir: Path, rank: int) -> Path | None:
+def dump_flight_recorder(run_dir: Path, rank: int, nccl: bool = False) -> Path | None:
     """This rank's flight recorder (its last collectives) to <run dir>/comm_traces/rank_N.
 
     NCCL dumps by itself on a timeout (TORCH_NCCL_DUMP_ON_TIMEOUT, set by init_distributed);
-    gloo records but never dumps, so the rank that caught the timeout writes its own. The
-    dump call is private torch API: there is no public one (torch 2.11-2.13)."""
+    gloo records but never dumps, so the rank that caught the timeout writes its own. `nccl`:
+    the NCCL groups' recorder, else gloo's. The dump calls are private torch API: there is no
+    public one (torch 2.11-2.13)."""
     if not int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0")):
         return None
     import torch
 
+    c10d = torch._C._distributed_c10d
     path = run_dir / "comm_traces" / f"rank_{rank}"
     try:
+        dump = c10d._dump_nccl_trace if nccl else c10d._dump_fr_trace
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(torch._C._distributed_c10d._dump_fr_trace())
+        path.write_bytes(dump())
     except (OSError, RuntimeError, AttributeError):
         return None
     return path
