@@ -27,13 +27,14 @@ OFF = ["--health.heartbeat_interval_s=0", "--health.stragglers=false",
        "--health.flight_recorder_entries=0"]  # fmt: skip
 
 
-def tokens_per_second(data: str, steps: int, nproc: int, extra: list[str]) -> float:
+def tokens_per_second(data: str, steps: int, nproc: int, extra: list[str], device: str) -> float:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", "train.py", "configs/debug.toml",
                f"--data.path={data}", f"--run.output_dir={out}", f"--train.steps={steps}",
                "--metrics.log_interval=1", "--train.eval_interval=0",
-               "--checkpoint.interval=0", "--metrics.tensorboard=false", *extra]  # fmt: skip
+               "--checkpoint.interval=0", "--metrics.tensorboard=false",
+               f"--parallel.device={device}", *extra]  # fmt: skip
         env = os.environ | {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
         log = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=True)
     rates = [float(v.replace(",", "")) for v in re.findall(r" tok/s ([\d,]+)", log.stderr)]
@@ -46,11 +47,14 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     results: dict[str, list[float]] = {"off": [], "on": []}
     for i in range(args.pairs):
         for name, extra in (("off", OFF), ("on", ON)) if i % 2 == 0 else (("on", ON), ("off", OFF)):
-            results[name].append(tokens_per_second(args.data, args.steps, args.nproc, extra))
+            results[name].append(
+                tokens_per_second(args.data, args.steps, args.nproc, extra, args.device)
+            )
             print(f"pair {i + 1} {name}: {results[name][-1]:,.0f} tok/s", flush=True)
     off, on = statistics.median(results["off"]), statistics.median(results["on"])
     print("\n| diagnostics | tok/s (median) | runs |\n|---|---|---|")

@@ -103,7 +103,8 @@ def test_a_frozen_rank_is_named_and_the_run_exits_without_orphans(
     """SIGSTOP one of 2 ranks: the other ends with one line naming it, within the steady-state
     timeout + 15 s; the launcher exits 1, no traceback, and the frozen rank is gone."""
     args = tiny_args(tiny_dataset, tmp_path, "--train.steps=4000", "--metrics.log_interval=1",
-                     "--parallel.step_timeout_s=8", "--health.heartbeat_interval_s=1")  # fmt: skip
+                     "--parallel.step_timeout_s=8", "--health.heartbeat_interval_s=1",
+                     "--parallel.device=cpu")  # fmt: skip
     run = launch.single(tmp_path / "run.log", args)
     run.wait_for(r"step 3/\d+  loss", timeout=120)
     frozen = run.worker_pid(rank=1)
@@ -165,7 +166,8 @@ def test_a_rank_slowed_by_a_sleep_is_named_as_the_straggler(
 ) -> None:
     argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
             "--train.steps=12", "--metrics.log_interval=2", "--metrics.tensorboard=true",
-            "--health.straggler_intervals=2", "--train.micro_batch_size=2"]  # fmt: skip
+            "--health.straggler_intervals=2", "--train.micro_batch_size=2",
+            "--parallel.device=cpu"]  # fmt: skip
     warnings = run_distributed(train_with_a_slow_rank, 2, argv)
     assert any(re.match(r"straggler: rank 1 works .* for [2-4] log intervals in a row", w)
                for w in warnings[0]), warnings  # fmt: skip
@@ -257,7 +259,8 @@ def test_wandb_offline_gets_the_scalars_tensorboard_gets(tiny_dataset: str, tmp_
     argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
             "--train.steps=6", "--metrics.log_interval=2", "--metrics.tensorboard=true",
             "--metrics.wandb=true", "--metrics.wandb_mode=offline", "--train.eval_interval=6",
-            "--train.eval_batches=1", "--train.micro_batch_size=4"]  # fmt: skip
+            "--train.eval_batches=1", "--train.micro_batch_size=4",
+            "--parallel.device=cpu"]  # fmt: skip
     run_distributed(train_losses, 2, argv, env={"WANDB_SILENT": "true"})
     tensorboard = tensorboard_scalars(tmp_path / "debug" / "tensorboard")
     (run_file,) = (tmp_path / "debug" / "wandb").glob("offline-run-*/run-*.wandb")
