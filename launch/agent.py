@@ -27,6 +27,7 @@ tell it apart (Slurm's RequeueExit, say). What the ranks saved is in their own l
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -62,7 +63,9 @@ def shorten_failure_grace(seconds: int) -> None:
         agent._shutdown(timeout=seconds)
 
     PContext.close = close_soon  # type: ignore[method-assign]
-    LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
+    # torch 2.11's _shutdown takes no timeout and closes with close's default, set above.
+    if "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters:
+        LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
 
 
 class HoldBack(logging.Filter):
