@@ -190,6 +190,7 @@ def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     }
 
 
+@pytest.mark.slow
 def test_hangs_cli_names_the_rank_behind_in_the_dumps(tmp_path: Path) -> None:
     """Recorded dumps (2 gloo ranks, rank 1 one collective short) read by the CLI."""
     run_distributed(record_and_dump, 2, str(tmp_path), env={"TORCH_FR_BUFFER_SIZE": "64"})
