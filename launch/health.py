@@ -202,11 +202,13 @@ def collective_kind(err: BaseException) -> str:
 
 
 def hang_line(err: BaseException, heartbeat: Heartbeat, world_size: int, timeout_s: float) -> str:
-    """One line: this rank, its step and phase, the collective, who is behind."""
+    """One line: this rank, its step and phase, the collective, who is behind. 'hang:' when
+    the collective timed out, 'peer lost:' when a peer's connection closed (it died)."""
     how, now = collective_failure(err), time.time()
-    waited = f" after {timeout_s:.0f} s" if how == "timed out" else ""
-    head = (f"hang: rank {heartbeat.rank} at step {heartbeat.step} ({heartbeat.phase}) "
-            f"{how}{waited} in {collective_kind(err)}")  # fmt: skip
+    timed_out = how == "timed out"
+    kind, waited = "hang" if timed_out else "peer lost", f" after {timeout_s:.0f} s" * timed_out
+    where = f"rank {heartbeat.rank} at step {heartbeat.step} ({heartbeat.phase})"
+    head = f"{kind}: {where} {how}{waited} in {collective_kind(err)}"
     if heartbeat.interval_s <= 0:
         return head + "; no heartbeats to name the rank behind (health.heartbeat_interval_s=0)"
     behind = lagging_ranks(
@@ -215,6 +217,8 @@ def hang_line(err: BaseException, heartbeat: Heartbeat, world_size: int, timeout
     )  # fmt: skip
     if behind:
         return head + "; behind: " + "; ".join(behind)
+    if not timed_out:  # a rank that just died wrote its heartbeat a moment ago
+        return head + "; the launcher names the rank that died"
     return head + "; every rank's heartbeat is fresh: a rank is stuck inside a collective or a "
     "kernel (see comm_traces/ and python -m launch.hangs)"
 

@@ -81,6 +81,11 @@ def test_the_collective_and_the_failure_are_read_from_the_error() -> None:
         collective_failure(RuntimeError("Connection closed by peer [127.0.0.1]")) == "lost a peer"
     )
     assert collective_failure(RuntimeError("shapes do not match")) is None
+    closed = raised_in(
+        "/x/torch/distributed/distributed_c10d.py", "barrier", "Connection closed by peer"
+    )
+    line = hang_line(closed, Heartbeat(Path(), 2, 0), 4, 30)
+    assert line.startswith("peer lost: rank 2 at step 0 (setup) lost a peer in barrier; no heart")
 
 
 def test_bad_health_settings_are_config_errors() -> None:
