@@ -123,11 +123,14 @@ def test_a_frozen_rank_is_named_and_the_run_exits_without_orphans(
     assert not alive(frozen)
     assert "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]
     lines = [line for line in log.splitlines() if "hang:" in line]
-    pattern = (r"\[rank0\] ERROR hang: rank 0 at step (\d+) \((forward|backward|optimizer)\) "
+    # The step's phases, or "log": at log_interval=1 rank 0 may wait in the straggler all-gather.
+    pattern = (r"\[rank0\] ERROR hang: rank 0 at step (\d+) \((forward|backward|optimizer|log)\) "
                r"timed out after 8 s in (all-gather|reduce-scatter|all-reduce); behind: "
                r"rank 1 last reported step (\d+) \(\w+\) (\d+) s ago$")  # fmt: skip
     assert len(lines) == 1 and (m := re.search(pattern, lines[0])), log[-3000:]
-    assert int(m[4]) <= int(m[1]) and int(m[5]) >= 8
+    # Named because its file is stale (older than 2 x 1 s + 1 s); not the full 8 s: rank 0 may
+    # have started waiting for rank 1 a moment before the SIGSTOP.
+    assert int(m[4]) <= int(m[1]) and int(m[5]) > 3, lines[0]
     # Afterwards, the run folder says it too.
     summary = "\n".join(report(tmp_path / "debug"))
     assert "rank 1 last reported step" in summary and "no dump from rank(s) 1" in summary
