@@ -183,6 +183,7 @@ def train(
                      run_dir / "comm_traces")  # fmt: skip
     lock = RunLock(run_dir)
     heartbeat, ended = Heartbeat(run_dir, env.rank, health.heartbeat_interval_s), "failed"
+    heartbeat.timeout_s = job.parallel.timeout_s
     try:
         # One trainer per run folder: rank 0 holds the lock, and every rank learns the answer
         # (all of them are in this collective, so it cannot hang).
@@ -198,9 +199,8 @@ def train(
         if isinstance(err, CollectiveFailure) or collective_failure(err) is None:
             raise
         # One line instead of a traceback from inside FSDP, and the evidence kept on disk.
-        dump_flight_recorder(run_dir, env.rank, nccl=device.type == "cuda")
-        timeout = job.parallel.steady_timeout_s if heartbeat.step > 1 else job.parallel.timeout_s
-        line = hang_line(err, heartbeat, env.world_size, timeout)
+        dump = dump_flight_recorder(run_dir, env.rank, nccl=device.type == "cuda")
+        line = hang_line(err, heartbeat, env.world_size, heartbeat.timeout_s, dump)
         ended = "failed: " + line
         raise CollectiveFailure(line) from None
     finally:
@@ -526,7 +526,8 @@ def loop(
         meter.record(len(end.losses), step_time, data_time, tokens_per_step)
         stragglers.record(step_time, data_time, result.wait_s)
         if len(end.losses) == 1 and job.parallel.steady_timeout_s < job.parallel.timeout_s:
-            set_timeout(job.parallel.steady_timeout_s)  # warmed up: compile, resume, first step
+            # Warmed up: compile, resume, the first step are behind.
+            run.heartbeat.timeout_s = set_timeout(job.parallel.steady_timeout_s)
         if log:
             beat(step, "log")
             scalars = {"loss/train": result.loss, "lr": result.lr, "grad_norm": result.grad_norm}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import socket
 import statistics
 import threading
@@ -82,6 +83,8 @@ class Heartbeat:
         self.rank, self.interval_s = rank, interval_s
         self.step, self.phase, self.since = 0, "setup", time.time()
         self.state = "running"
+        self.timeout_s = 0
+        """The process groups' timeout now: for the hang line (set by train.py)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -165,9 +168,13 @@ def lagging_ranks(
 # Names of torch's collective functions (innermost frame first wins) and what a user calls them.
 COLLECTIVE_KINDS = (
     ("reduce_scatter", "reduce-scatter"),
+    ("reducescatter", "reduce-scatter"),  # NCCL's recorder spells them without the underscore
     ("all_gather", "all-gather"),
+    ("allgather", "all-gather"),
     ("all_reduce", "all-reduce"),
+    ("allreduce", "all-reduce"),
     ("all_to_all", "all-to-all"),
+    ("alltoall", "all-to-all"),
     ("barrier", "barrier"),
     ("broadcast", "broadcast"),
     ("gather", "gather"),
@@ -190,25 +197,40 @@ def collective_failure(err: BaseException) -> str | None:
     return None
 
 
-def collective_kind(err: BaseException) -> str:
-    """The collective `err` was raised in, from the innermost torch.distributed frame."""
+def kind_of(name: str) -> str | None:
+    """'all-gather' for 'all_gather_single', 'gloo:all_gather', 'nccl:_allgather_base', ..."""
+    return next((kind for key, kind in COLLECTIVE_KINDS if key in name), None)
+
+
+def collective_kind(err: BaseException, dump: Path | None = None) -> str:
+    """The collective `err` was raised in: from the innermost torch.distributed frame, else
+    (DTensor's functional collectives wait elsewhere) the last one in this rank's
+    flight-recorder `dump`."""
     for frame in reversed(traceback.extract_tb(err.__traceback__)):
-        if f"torch{os.sep}distributed" not in frame.filename:
-            continue
-        for name, kind in COLLECTIVE_KINDS:
-            if name in frame.name:
-                return kind
-    return "a collective"
+        if f"torch{os.sep}distributed" in frame.filename and (kind := kind_of(frame.name)):
+            return kind
+    try:
+        entries = pickle.loads(dump.read_bytes())["entries"] if dump else []
+    except (OSError, pickle.UnpicklingError, EOFError, KeyError):
+        entries = []
+    return (entries and kind_of(entries[-1]["profiling_name"])) or "a collective"
 
 
-def hang_line(err: BaseException, heartbeat: Heartbeat, world_size: int, timeout_s: float) -> str:
+def hang_line(
+    err: BaseException,
+    heartbeat: Heartbeat,
+    world_size: int,
+    timeout_s: float,
+    dump: Path | None = None,
+) -> str:
     """One line: this rank, its step and phase, the collective, who is behind. 'hang:' when
-    the collective timed out, 'peer lost:' when a peer's connection closed (it died)."""
+    the collective timed out, 'peer lost:' when a peer's connection closed (it died).
+    `dump`: this rank's flight-recorder dump, if any (`collective_kind`)."""
     how, now = collective_failure(err), time.time()
     timed_out = how == "timed out"
     kind, waited = "hang" if timed_out else "peer lost", f" after {timeout_s:.0f} s" * timed_out
     where = f"rank {heartbeat.rank} at step {heartbeat.step} ({heartbeat.phase})"
-    head = f"{kind}: {where} {how}{waited} in {collective_kind(err)}"
+    head = f"{kind}: {where} {how}{waited} in {collective_kind(err, dump)}"
     if heartbeat.interval_s <= 0:
         return head + "; no heartbeats to name the rank behind (health.heartbeat_interval_s=0)"
     behind = lagging_ranks(

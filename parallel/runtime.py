@@ -75,7 +75,7 @@ def flight_recorder_env(entries: int, trace_dir: Path) -> dict[str, str]:
     }
 
 
-def set_timeout(seconds: int) -> None:
+def set_timeout(seconds: int) -> int:
     """The timeout of every process group, from now on (the steady-state one after warm-up).
 
     After a barrier under the old timeout: a rank still in its slow first step must not be
@@ -85,6 +85,7 @@ def set_timeout(seconds: int) -> None:
     dist.barrier()
     for group in list(dist.distributed_c10d._world.pg_map):
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    return seconds
 
 
 def launched_by_torchrun() -> bool:

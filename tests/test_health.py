@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -73,7 +74,7 @@ def test_heartbeats_advance_and_name_the_rank_behind(tmp_path: Path) -> None:
     assert read_heartbeats(tmp_path)[0]["state"] == "finished"
 
 
-def test_the_collective_and_the_failure_are_read_from_the_error() -> None:
+def test_the_collective_and_the_failure_are_read_from_the_error(tmp_path: Path) -> None:
     fsdp = f"/x/torch{os.sep}distributed/fsdp/_fully_shard/_fsdp_collectives.py"
     assert collective_kind(raised_in(fsdp, "foreach_reduce_scatter", "x")) == "reduce-scatter"
     assert collective_kind(raised_in("/x/train.py", "all_reduce", "x")) == "a collective"
@@ -81,6 +82,10 @@ def test_the_collective_and_the_failure_are_read_from_the_error() -> None:
         collective_failure(RuntimeError("Connection closed by peer [127.0.0.1]")) == "lost a peer"
     )
     assert collective_failure(RuntimeError("shapes do not match")) is None
+    # DTensor's collectives wait outside torch.distributed's frames: the recorder's last one.
+    dump = tmp_path / "rank_0"
+    dump.write_bytes(pickle.dumps({"entries": [{"profiling_name": "nccl:_allgather_base"}]}))
+    assert collective_kind(raised_in("/x/train.py", "step", "x"), dump) == "all-gather"
     closed = raised_in(
         "/x/torch/distributed/distributed_c10d.py", "barrier", "Connection closed by peer"
     )
