@@ -196,7 +196,8 @@ def train(
         ended = "finished"
         return losses
     except RuntimeError as err:
-        if isinstance(err, CollectiveFailure) or collective_failure(err) is None:
+        ours = (CollectiveFailure, NonFiniteError, CheckpointError)  # each says its own line
+        if isinstance(err, ours) or collective_failure(err) is None:
             raise
         # One line instead of a traceback from inside FSDP, and the evidence kept on disk.
         dump = dump_flight_recorder(run_dir, env.rank, nccl=device.type == "cuda")

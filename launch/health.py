@@ -183,7 +183,8 @@ COLLECTIVE_KINDS = (
     ("send", "send"),
 )
 # How gloo and NCCL say that a peer never came, or went away.
-TIMED_OUT = ("Timed out waiting", "timed out", "Timeout", "Watchdog caught collective")
+# Only these exact phrases: another error that merely mentions a timeout keeps its traceback.
+TIMED_OUT = ("Timed out waiting", "Watchdog caught collective operation timeout")
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
