@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +46,13 @@ from data.stream import SourceMeter
 from data.tasks import Task, task_batches, task_scores
 from launch.check import Plan, check_config, dry_run, unintended_settings
 from launch.elastic import NODE_LOST_EXIT, Mesh, NodeLost, restart_line
+from launch.health import (
+    Heartbeat,
+    StragglerMeter,
+    collective_failure,
+    dump_flight_recorder,
+    hang_line,
+)
 from launch.job import JobConfig, OptimizerConfig
 from launch.lifecycle import (
     RunLock,
@@ -80,6 +87,7 @@ from parallel.runtime import (
     init_distributed,
     launched_by_torchrun,
     pick_device,
+    set_timeout,
 )
 from parallel.tp import loss_context
 
@@ -139,6 +147,10 @@ class NonFiniteError(RuntimeError):
     pass
 
 
+class CollectiveFailure(RuntimeError):
+    """A collective timed out or lost a peer; the message is the rank's one line about it."""
+
+
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed (not averaged) cross-entropy, in float32 for a stable log-softmax."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
@@ -169,8 +181,13 @@ def train(
     NodeLost: a rank's launcher died, and every rank saved the step in flight."""
     stop = stop or StopRequest()
     device = pick_device(job.parallel.device, env)
-    init_distributed(device, env, job.parallel.timeout_s)
-    lock = RunLock(Path(job.run.output_dir) / job.run.name)
+    run_dir = Path(job.run.output_dir) / job.run.name
+    health = job.health
+    init_distributed(device, env, job.parallel.timeout_s, health.flight_recorder_entries,
+                     run_dir / "comm_traces")  # fmt: skip
+    lock = RunLock(run_dir)
+    heartbeat, ended = Heartbeat(run_dir, env.rank, health.heartbeat_interval_s), "failed"
+    heartbeat.timeout_s = job.parallel.timeout_s
     try:
         # One trainer per run folder: rank 0 holds the lock, and every rank learns the answer
         # (all of them are in this collective, so it cannot hang).
@@ -178,8 +195,20 @@ def train(
         dist.broadcast_object_list(refused, src=0)
         if refused[0] is not None:
             raise ConfigError(refused[0])
-        losses, lost = _train(job, plan, env, device, stop)
+        heartbeat.start()  # after the lock: a refused second trainer must not overwrite them
+        losses, lost = _train(job, plan, env, device, stop, heartbeat)
+        ended = "finished" if lost is None else "stopped: its launcher died"
+    except RuntimeError as err:
+        ours = (CollectiveFailure, NonFiniteError, CheckpointError)  # each says its own line
+        if isinstance(err, ours) or collective_failure(err) is None:
+            raise
+        # One line instead of a traceback from inside FSDP, and the evidence kept on disk.
+        dump = dump_flight_recorder(run_dir, env.rank, nccl=device.type == "cuda")
+        line = hang_line(err, heartbeat, env.world_size, heartbeat.timeout_s, dump)
+        ended = "failed: " + line
+        raise CollectiveFailure(line) from None
     finally:
+        heartbeat.stop(ended)
         lock.release()
         dist.destroy_process_group()
         # The model, optimizer and checkpointer form reference cycles that still hold the
@@ -213,6 +242,8 @@ class Run:
     """Every block stays gathered between micro-batches (see `setup`)."""
     skipped_in_a_row: int = 0
     """Steps in a row whose update the non-finite policy skipped."""
+    heartbeat: Heartbeat = field(default_factory=lambda: Heartbeat(Path(), 0, 0))
+    """Where this rank is (step, phase), for the others to read (launch/health.py)."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -230,10 +261,17 @@ class StepResult:
     """Some rank's launcher died (its node is lost): the stop must end in a restart."""
     scalars: dict[str, float]
     """The model's own scalars to log (the family's step terms), at a log step."""
+    wait_s: float = 0.0
+    """Seconds this rank waited in the step's first all-reduce: for the others to arrive."""
 
 
 def _train(
-    job: JobConfig, plan: Plan, env: LaunchEnv, device: torch.device, stop: StopRequest
+    job: JobConfig,
+    plan: Plan,
+    env: LaunchEnv,
+    device: torch.device,
+    stop: StopRequest,
+    heartbeat: Heartbeat,
 ) -> tuple[list[float], NodeLost | None]:
     """The run; returns its losses, and what to raise once the process group is gone when a
     node was lost (the step in flight saved)."""
@@ -251,6 +289,7 @@ def _train(
         log_orientation(job, plan, run_dir, ckpt_folder)
         logger.info("mesh %s on %s, grad accumulation %d", mesh, device, plan.grad_accum_steps)
     run = setup(job, plan, env, mesh, device)
+    run.heartbeat = heartbeat
     loader = build_loader(job, plan, "train", run.dp_rank, run.dp_size)
     # Resume: everything that changes during training is a Stateful in one dict, loaded in
     # place before the loader is iterated (DCP reshards it onto this mesh).
@@ -267,6 +306,7 @@ def _train(
         params = list(run.model.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)
         warn_if_low_space(ckpt_folder, 4 * sum(p.numel() for p in params) + 8 * trainable)
+    heartbeat.beat(0, "resume")
     # An older one if plan.resume is damaged; logs the resume, once verified.
     resumed = checkpointer.load(states, plan.resume, job.train.steps)
     if env.rank == 0 and resumed is not None and not resumed.model_only:
@@ -384,7 +424,13 @@ def train_step(
     # Normalize by the *global* number of target tokens of the step, so the loss and the
     # gradients are the same for any micro-batching and any mesh shape.
     global_tokens = sum((b.targets != -100).sum() for b in micro_batches).float()
+    # Timed (so synchronized, on a GPU) for the straggler meter: how long this rank waits here
+    # is how much later the last rank arrived. The GPU is idle here anyway, between steps.
+    step, timed = run.progress.step + 1, run.job.health.stragglers
+    run.heartbeat.beat(step, "forward")
+    started = synchronized_time(global_tokens.device) if timed else 0.0
     dist.all_reduce(global_tokens)
+    wait_s = synchronized_time(global_tokens.device) - started if timed else 0.0
     loss_sum = torch.zeros((), device=global_tokens.device)
     stats = None  # the model's step statistics, summed over micro-batches
     for i, batch in enumerate(micro_batches):
@@ -409,8 +455,10 @@ def train_step(
             if extra is not None:
                 objective = objective + extra * dp_size * cp
                 stats = extra_stats if stats is None else stats + extra_stats
+            run.heartbeat.beat(step, "backward")
             objective.backward()
         loss_sum += loss.detach()
+        run.heartbeat.beat(step, "forward" if not last else "optimizer")
     grad_norm = clip_grad_norm(model, t.max_grad_norm)
     # The stop flags (asked to stop; a launcher died) and the model's statistics ride on the
     # loss all-reduce: every rank stops after the same step, also one that the signal did not
@@ -432,7 +480,13 @@ def train_step(
     run.optimizer.zero_grad(set_to_none=True)
     lr = run.optimizer.param_groups[0]["lr"]
     run.scheduler.step()
-    return StepResult(loss_value, norm_value, lr, stop_value > 0, lost_value > 0, scalars)
+    return StepResult(loss_value, norm_value, lr, stop_value > 0, lost_value > 0, scalars, wait_s)
+
+
+def synchronized_time(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def non_finite(run: Run, loss: float, grad_norm: float) -> None:
@@ -489,10 +543,14 @@ def loop(
     # per source and sees a source run out without asking the other ranks or the workers.
     sources_seen = SourceMeter(loader.batch_sampler.stream, job.data.seq_len, progress.samples_seen)
     # After a resume, TensorBoard drops what an earlier attempt logged past the checkpoint.
-    metrics = MetricsLogger(job.metrics, run_dir, is_rank0, t.steps, purge_step=progress.step + 1)
+    metrics = MetricsLogger(job.metrics, run_dir, is_rank0, t.steps, purge_step=progress.step + 1,
+                            config=asdict(job))  # fmt: skip
     meter, tokens_per_step = throughput_meter(run), t.global_batch_size * job.data.seq_len
     timer, end = Timer(run.device), LoopEnd()
+    stragglers = StragglerMeter(job.health, run.device, run.env.rank, run.env.world_size)
+    beat = run.heartbeat.beat
     for step in range(progress.step + 1, t.steps + 1):
+        beat(step, "data")
         # All micro-batches up front: their target count fixes the loss normalization.
         micro_batches = [run.to_batch(*next(batches)) for _ in range(run.plan.grad_accum_steps)]
         data_time = timer.lap()
@@ -506,16 +564,26 @@ def loop(
         progress.tokens_seen += tokens_per_step
         source_scalars = sources_seen.update(progress.samples_seen, step) if is_rank0 else {}
         # Steps since this process started: the first ones after a resume warm up too.
-        meter.record(len(end.losses), timer.lap() + data_time, data_time, tokens_per_step)
+        step_time = timer.lap() + data_time
+        meter.record(len(end.losses), step_time, data_time, tokens_per_step)
+        stragglers.record(step_time, data_time, result.wait_s)
+        if len(end.losses) == 1 and job.parallel.steady_timeout_s < job.parallel.timeout_s:
+            # Warmed up: compile, resume, the first step are behind.
+            run.heartbeat.timeout_s = set_timeout(job.parallel.steady_timeout_s)
         if log:
+            beat(step, "log")
             scalars = {"loss/train": result.loss, "lr": result.lr, "grad_norm": result.grad_norm}
+            if job.health.stragglers and run.env.world_size > 1:  # 3 numbers from each rank
+                scalars |= stragglers.gather()
             eta = (time.perf_counter() - end.started) / len(end.losses) * (t.steps - step)
             scalars |= result.scalars | source_scalars | meter.summary() | memory_stats(run.device)
             metrics.log(step, scalars, eta_s=eta)
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
+            beat(step, "eval")
             (end.val_loss, end.scores), end.val_step = validate(run, metrics, step), step
             timer.lap()  # evaluation time is not training throughput
         # After the optimizer step, so the checkpoint of step N holds N updates.
+        beat(step, "checkpoint")
         if checkpointer.maybe_save(step, states, last=step == t.steps or result.stop):
             end.saved = step_dir(checkpointer.folder, step)
             timer.lap()  # nor is saving: its time is logged on its own line
@@ -712,6 +780,8 @@ def main(argv: list[str] | None = None) -> int:
         return report(env, str(err), 1)
     except NodeLost as err:  # one line per node left: each agent restarts its own workers
         return report(env, str(err), NODE_LOST_EXIT, everywhere=env.local_rank == 0)
+    except CollectiveFailure as err:  # every rank that saw it says what it waited for
+        return report(env, str(err), 1, everywhere=True)
     return 0
 
 

@@ -27,15 +27,48 @@ tell it apart (Slurm's RequeueExit, say). What the ranks saved is in their own l
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
 import sys
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-# What torchrun's agent logs when a rank has failed: which one, and each peer it then stops.
-FAILURE_LINES = ("failed (exitcode", "Sending process")
+# What torchrun's agent logs when a rank has failed: which one, and each peer it then stops
+# (and kills, when the peer does not exit in time).
+FAILURE_LINES = ("failed (exitcode", "Sending process", "Unable to shutdown process")
+# Seconds the other ranks get to exit after one failed, before SIGKILL (FAILURE_GRACE_S).
+FAILURE_GRACE_S = 5
+
+
+def shorten_failure_grace(seconds: int) -> None:
+    """After a rank fails, torchrun SIGTERMs the others and waits 30 s before SIGKILL, a time
+    neither --shutdown-timeout nor TORCH_ELASTIC_SHUTDOWN_TIMEOUT changes (those are for a
+    stop signal to the agent, when the ranks save: that path passes its own timeout and is
+    unchanged). A rank hung in a collective or frozen never acts on SIGTERM; a healthy one
+    ends in a second (its peer's sockets close): so wait `seconds`. Both places that wait
+    are private (the process context's `close` when it sees a failure, the agent's
+    `_stop_workers` before a restart); no public setting exists (torch 2.11-2.13)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    # torch 2.11's agent closes the ranks with close's default timeout on a stop signal too,
+    # where they save: shortening it there would cut their save to `seconds`. So 2.11 keeps
+    # torchrun's 30 s after a failure; 2.12+ passes the stop signal's own timeout explicitly.
+    if "timeout" not in inspect.signature(LocalElasticAgent._shutdown).parameters:
+        return
+    close = PContext.close
+
+    def close_soon(context: PContext, death_sig: object = None, timeout: int = seconds) -> None:
+        close(context, death_sig, timeout)  # type: ignore[arg-type]
+
+    def stop_workers(agent: LocalElasticAgent, worker_group: object) -> None:
+        agent._shutdown(timeout=seconds)
+
+    PContext.close = close_soon  # type: ignore[method-assign]
+    LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
 
 
 class HoldBack(logging.Filter):
@@ -87,6 +120,7 @@ def main(argv: list[str]) -> int:
     ]
     for logger in agent_loggers:
         logger.addFilter(hold)
+    shorten_failure_grace(int(os.environ.get("FAILURE_GRACE_S", FAILURE_GRACE_S)))
     try:
         torchrun.main(argv)
     except ChildFailedError as error:

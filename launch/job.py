@@ -17,6 +17,7 @@ from checkpoint import CheckpointConfig
 from configs import ConfigError, check_folder_name
 from data.loader import DataConfig
 from data.tasks import EvalConfig
+from launch.health import HealthConfig
 from launch.metrics import MetricsConfig
 from model import ModelConfig
 from parallel.ac import ActivationCheckpointConfig
@@ -131,6 +132,7 @@ class JobConfig:
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fp8: Float8Config = field(default_factory=Float8Config)
     ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)

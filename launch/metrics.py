@@ -1,14 +1,16 @@
-"""Throughput, MFU and memory, logged on rank 0 and to TensorBoard."""
+"""Throughput, MFU and memory, logged on rank 0 and to TensorBoard (and W&B, if asked)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
@@ -37,9 +39,27 @@ class MetricsConfig:
     profile_step: int = 0
     """Profile this step (0 = never) with torch.profiler on every rank: a Chrome trace and a
     table of the costliest ops per rank under <run dir>/profile/."""
+    wandb: bool = False
+    """Also send every scalar to Weights & Biases (rank 0; `pip install -e .[wandb]`), as a
+    W&B run named run.name, files under <run dir>/wandb/."""
+    wandb_project: str = "fsdp2-trainer"
+    """The W&B project of metrics.wandb's runs."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """'offline': write the W&B run to disk only (`wandb sync <run dir>/wandb/offline-run-*`
+    uploads it later); for nodes without internet access."""
 
     def __post_init__(self) -> None:
         from configs import ConfigError
+
+        # Found, not imported: an unused W&B costs nothing, and a missing one is one line before
+        # any rank starts rather than an ImportError on rank 0 while the others wait.
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                "metrics.wandb=true but wandb is not installed: pip install -e '.[wandb]' "
+                "(or set metrics.wandb=false)"
+            )
+        if self.wandb and not self.wandb_project.strip():
+            raise ConfigError("metrics.wandb_project is empty: name the W&B project")
 
         if self.log_interval < 1 or self.warmup_steps < 0 or self.profile_step < 0:
             raise ConfigError(
@@ -122,12 +142,19 @@ class ThroughputMeter:
 
 
 class MetricsLogger:
-    """Rank-0 log lines and TensorBoard scalars. On other ranks every call is a no-op."""
+    """Rank-0 log lines, TensorBoard and W&B scalars. On other ranks every call is a no-op."""
 
     def __init__(
-        self, cfg: MetricsConfig, run_dir: Path, is_rank0: bool, total_steps: int, purge_step: int
+        self,
+        cfg: MetricsConfig,
+        run_dir: Path,
+        is_rank0: bool,
+        total_steps: int,
+        purge_step: int,
+        config: dict[str, Any] | None = None,
     ) -> None:
         self.writer = None
+        self.wandb_run = None
         self.is_rank0 = is_rank0
         self.total_steps = total_steps
         if is_rank0 and cfg.tensorboard:
@@ -136,6 +163,8 @@ class MetricsLogger:
             # purge_step: after a resume at step N, TensorBoard hides what an earlier attempt
             # logged from step N+1 on, so the curves do not overlap.
             self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
+        if is_rank0 and cfg.wandb:
+            self.wandb_run = start_wandb(cfg, run_dir, config or {})
 
     def log(self, step: int, scalars: dict[str, float], eta_s: float | None = None) -> None:
         if not self.is_rank0:
@@ -143,6 +172,8 @@ class MetricsLogger:
         if self.writer is not None:
             for name, value in scalars.items():
                 self.writer.add_scalar(name, value, step)
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=step)
         eta = (
             f"  eta {format_duration(eta_s)}"
             if eta_s is not None and step < self.total_steps
@@ -153,6 +184,20 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()  # ends W&B's service process too
+
+
+def start_wandb(cfg: MetricsConfig, run_dir: Path, config: dict[str, Any]) -> Any:
+    """A W&B run beside TensorBoard: the same scalars at the same steps. Each start of the
+    trainer is a W&B run of its own (a resumed run's curves continue in TensorBoard, whose
+    purge_step drops a failed attempt's overlap; W&B has no such thing)."""
+    import wandb  # only here: metrics.wandb=false never imports it
+
+    return wandb.init(
+        project=cfg.wandb_project, name=run_dir.name, dir=str(run_dir), config=config,
+        mode=cfg.wandb_mode, settings=wandb.Settings(console="off"),
+    )  # fmt: skip
 
 
 def format_duration(seconds: float) -> str:
@@ -218,6 +263,8 @@ _SHORT = {
     "time/data_fraction": ("data_wait", "{:.1%}"),
     "memory/max_allocated_gib": ("mem", "{:.2f}GiB"),
     "memory/max_rss_gib": ("rss", "{:.2f}GiB"),
+    "straggler/slowest_rank": ("slowest rank", "{:.0f}"),
+    "straggler/lag_s": ("lag", "{:.3f}s"),
 }
 
 

@@ -11,6 +11,9 @@
 #                  PYTHON, checks the config and runs torchrun's agent (launch/agent.py)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get to save after a stop signal (default
 #                  30; torch >= 2.12 reads it, 2.11 always gives 30)
+#   FAILURE_GRACE_S seconds the other ranks get to exit after one failed (a hang's timeout, a
+#                  crash) before SIGKILL (default 5; torchrun alone waits 30, and so does
+#                  torch 2.11): a frozen rank never exits by itself (launch/agent.py)
 # Stop: SIGTERM, SIGINT or SIGUSR1 to this script (it becomes torchrun's agent) makes the ranks
 # finish their step, save a checkpoint and exit 0; the script then exits 128 + the signal's
 # number (143 for SIGTERM, 130 SIGINT, 138 SIGUSR1): stopped, neither finished (0) nor failed.
@@ -38,6 +41,7 @@ check_number() {  # check_number NAME MIN [MAX]: $NAME, if set, is a whole numbe
 check_number NPROC 1
 check_number MAX_RESTARTS 0
 check_number TORCH_ELASTIC_SHUTDOWN_TIMEOUT 0
+check_number FAILURE_GRACE_S 0
 
 TORCHRUN=${TORCHRUN:-torchrun}
 torchrun_path=$(command -v "${TORCHRUN%% *}" || true)

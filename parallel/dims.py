@@ -51,7 +51,12 @@ class ParallelConfig:
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """'auto' = CUDA with NCCL when a GPU is visible, else CPU with gloo."""
     timeout_s: int = 600
-    """Process-group timeout: a collective that waits longer fails instead of hanging."""
+    """Process-group timeout for start-up and the first step (compile, loading a checkpoint,
+    the first all-gathers): a collective that waits longer fails instead of hanging."""
+    step_timeout_s: int | None = None
+    """The timeout from the second step on, when a step's collectives wait only for slow
+    peers: a shorter one names a hung rank sooner. Default: timeout_s, at most 300. It must
+    still cover the longest wait of the steady state: a checkpoint save, an evaluation."""
 
     def __post_init__(self) -> None:
         if self.mesh == "auto" and (self.dp_replicate != 1 or self.dp_shard != -1):
@@ -72,6 +77,16 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.forward_prefetch < 0 or self.backward_prefetch < 0 or self.timeout_s < 1:
             raise ConfigError("parallel: prefetch depths must be >= 0 and timeout_s >= 1")
+        if self.step_timeout_s is not None and not 1 <= self.step_timeout_s <= self.timeout_s:
+            raise ConfigError(
+                f"parallel.step_timeout_s must be in 1..timeout_s ({self.timeout_s}), got "
+                f"{self.step_timeout_s}: it is the shorter timeout after the first step"
+            )
+
+    @property
+    def steady_timeout_s(self) -> int:
+        """The timeout after the first step (step_timeout_s, or its default)."""
+        return self.step_timeout_s or min(self.timeout_s, 300)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,13 +32,24 @@ def pick_device(requested: str, env: LaunchEnv) -> torch.device:
     return torch.device("cuda", env.local_rank)
 
 
-def init_distributed(device: torch.device, env: LaunchEnv, timeout_s: int) -> None:
+def init_distributed(
+    device: torch.device,
+    env: LaunchEnv,
+    timeout_s: int,
+    trace_entries: int = 0,
+    trace_dir: Path | None = None,
+) -> None:
     """Join the default process group: NCCL on GPUs, gloo on CPU.
 
     A plain `python train.py` (no torchrun) gets a one-rank group on an in-memory store, so the
-    same FSDP code path runs everywhere and no port is needed.
+    same FSDP code path runs everywhere and no port is needed. `trace_entries` > 0 turns on
+    torch's flight recorder (`flight_recorder_env`).
     """
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if trace_entries and trace_dir is not None:
+        # Read when the process group is created: set before it.
+        for name, value in flight_recorder_env(trace_entries, trace_dir).items():
+            os.environ.setdefault(name, value)  # what the user exported wins
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -49,6 +61,31 @@ def init_distributed(device: torch.device, env: LaunchEnv, timeout_s: int) -> No
         # device_id binds NCCL to this GPU eagerly, so a wrong mapping fails here, not mid-step.
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, timeout=timeout, **kwargs)
+
+
+def flight_recorder_env(entries: int, trace_dir: Path) -> dict[str, str]:
+    """torch's flight recorder: a ring of each rank's last `entries` collectives (kind, sizes,
+    sequence number, state). NCCL's watchdog dumps it on a timeout, as
+    `<trace_dir>/rank_<N>`; gloo records it too and the rank dumps it itself
+    (launch/health.py). `python -m launch.hangs <run dir>` reads the dumps."""
+    return {
+        "TORCH_FR_BUFFER_SIZE": str(entries),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(trace_dir / "rank_"),
+    }
+
+
+def set_timeout(seconds: int) -> int:
+    """The timeout of every process group, from now on (the steady-state one after warm-up).
+
+    After a barrier under the old timeout: a rank still in its slow first step must not be
+    waited for under the short one. torch has no public call for either part: the groups are
+    enumerated from c10d's registry and set with `_set_pg_timeout` (torchtitan does the same).
+    """
+    dist.barrier()
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    return seconds
 
 
 def launched_by_torchrun() -> bool:

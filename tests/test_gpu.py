@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -258,3 +260,35 @@ def test_profile_groups_a_real_cpu_trace(tmp_path: Path) -> None:
     assert groups["attention"]["ms"] > 0 and groups["GEMM"]["ms"] > 0
     total = sum(row["ms"] for row in groups.values())
     assert total == pytest.approx(result["busy_ms"], rel=0.05)  # self times tile busy time
+
+
+def train_and_dump_nccl_recorder(argv: list[str], run_dir: str) -> int:
+    """train.main on one NCCL rank with the flight recorder on, then this rank's dump of it
+    (NCCL writes one only on a timeout, which one rank cannot have)."""
+    import train
+    from launch.health import dump_flight_recorder
+
+    assert train.main(argv) == 0
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == f"{run_dir}/comm_traces/rank_"
+    return dump_flight_recorder(Path(run_dir), 0, nccl=True) is not None
+
+
+@needs_gpu
+def test_nccl_flight_recorder_is_on_and_its_dump_reads(tiny_dataset: str, tmp_path: Path) -> None:
+    """The recorder init_distributed turns on records the run's NCCL collectives, and both
+    launch.hangs and torch's own analyzer read the dump. (A hang itself needs 2 GPUs.)"""
+    from torch.distributed.flight_recorder.fr_trace import main as fr_trace
+
+    from launch.hangs import report
+
+    argv = [
+        f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+        "--parallel.device=cuda", "--train.steps=3", "--train.micro_batch_size=8",
+    ]  # fmt: skip
+    run_dir = tmp_path / "debug"
+    assert run_distributed(train_and_dump_nccl_recorder, 1, argv, str(run_dir)) == [True]
+    lines = report(run_dir)
+    assert any(
+        re.match(r"  rank 0 group .*: #\d+ (allreduce|all_reduce)", line) for line in lines
+    ), lines
+    fr_trace([str(run_dir / "comm_traces"), "--prefix", "rank_"])  # raises if it cannot read it
