@@ -3,6 +3,7 @@ named by the run itself, on real gloo ranks."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from launch.hangs import report
 from launch.health import (
@@ -124,7 +126,9 @@ def test_a_frozen_rank_is_named_and_the_run_exits_without_orphans(
     elapsed = time.monotonic() - stopped
     log = run.text()
     assert codes == [1], (codes, log[-3000:])
-    assert elapsed < 8 + 15, elapsed
+    # torch 2.11's agent keeps torchrun's 30 s before SIGKILL (launch/agent.py).
+    grace = 15 if "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters else 35
+    assert elapsed < 8 + grace, elapsed
     assert not alive(frozen)
     assert "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]
     lines = [line for line in log.splitlines() if "hang:" in line]
