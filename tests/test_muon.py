@@ -1,0 +1,173 @@
+"""Muon (optim.name="muon", parallel/muon.py): torch.optim.Muon's math on whole matrices, the
+same run on every mesh, its state in checkpoints, and bad settings."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from configs import ConfigError, parse_config
+from launch.job import JobConfig
+from parallel.muon import Muon, MuonConfig, muon_groups, muon_parameters
+from tests.distributed import run_distributed
+from tests.test_families import RUN_SHAPE, assert_same_run, scalars
+from tests.test_train import FP32, TINY, train_losses
+
+# Keller Jordan's lr rule at his lr; Newton-Schulz in float32 for the 1e-5 parity (in bfloat16,
+# torch's, a last-bit difference of a gradient can round differently: 4e-5 on the EP run).
+MUON = [
+    "--optim.name=muon",
+    "--optim.muon.lr=0.02",
+    "--optim.muon.adjust_lr_fn=original",
+    "--optim.muon.ns_dtype=float32",
+]
+STEPS = 4
+
+
+def muon_group(params: list[torch.Tensor], **settings: object) -> dict:
+    cfg = MuonConfig(**settings)  # type: ignore[arg-type]
+    return {"params": params, "algorithm": "muon", "lr": cfg.lr, "weight_decay": cfg.weight_decay,
+            "momentum": cfg.momentum, "nesterov": cfg.nesterov, "ns_steps": cfg.ns_steps,
+            "ns_coefficients": cfg.ns_coefficients, "adjust_lr_fn": cfg.adjust_lr_fn,
+            "ns_dtype": cfg.ns_dtype}  # fmt: skip
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("rule", ["original", "match_rms_adamw"])
+def test_whole_matrices_step_as_torch_muon_to_the_bit(nesterov: bool, rule: str) -> None:
+    """Wide, tall and square matrices, 3 steps: the parameters are torch.optim.Muon's, bitwise."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in [(16, 8), (8, 32), (12, 12)]]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    settings = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9, "nesterov": nesterov,
+                "adjust_lr_fn": rule}  # fmt: skip
+    reference = torch.optim.Muon(theirs, **settings)  # type: ignore[arg-type]
+    optimizer = Muon([muon_group(ours, **settings)], kernel="fused")
+    for _ in range(3):
+        for p, q in zip(ours, theirs, strict=True):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        reference.step()
+        optimizer.step()
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_adamw_groups_step_as_torch_adamw_and_experts_one_at_a_time() -> None:
+    """The AdamW groups are torch.optim.AdamW's, bitwise; a 3-D expert stack is stepped as
+    torch.optim.Muon steps each expert's matrix on its own (its lr scaled by the matrix)."""
+    torch.manual_seed(0)
+    experts = torch.nn.Parameter(torch.randn(3, 16, 8))
+    apart = [torch.nn.Parameter(e.detach().clone()) for e in experts]
+    norm = torch.nn.Parameter(torch.randn(8))
+    norm_ref = torch.nn.Parameter(norm.detach().clone())
+    adamw = {"algorithm": "adamw", "lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8,
+             "weight_decay": 0.0}  # fmt: skip
+    optimizer = Muon([muon_group([experts], lr=0.02), {"params": [norm]} | adamw], kernel="fused")
+    reference = torch.optim.Muon(apart, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    reference_adamw = torch.optim.AdamW([norm_ref], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0,
+                                        fused=True)  # fmt: skip
+    for _ in range(3):
+        experts.grad, norm.grad = torch.randn_like(experts), torch.randn_like(norm)
+        for e, g in zip(apart, experts.grad, strict=True):
+            e.grad = g.clone()
+        norm_ref.grad = norm.grad.clone()
+        optimizer.step()
+        reference.step()
+        reference_adamw.step()
+    assert torch.equal(experts, torch.stack(apart))
+    assert torch.equal(norm, norm_ref)
+    assert set(optimizer.state[norm]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_which_parameters_muon_trains() -> None:
+    """The blocks' matrices; not the embedding, the output projection, norms or LoRA adapters;
+    frozen parameters go nowhere (no state)."""
+    from model.llama import FLAVORS, Transformer, fsdp_units
+    from parallel.freeze import apply_freeze
+    from parallel.lora import LoRAConfig, apply_lora
+
+    args = replace(FLAVORS["debug"], dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64)
+    model = Transformer(args)
+    apply_freeze(model, ["layers.0.*"])
+    names = muon_parameters(model, fsdp_units(model))
+    assert names == [f"layers.1.{m}.weight" for m in ("attention.wq", "attention.wk",
+                     "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+                     "feed_forward.w3")]  # fmt: skip
+    adamw = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    groups = muon_groups(model, fsdp_units(model), MuonConfig(), adamw)
+    grouped = [p for g in groups for p in g["params"]]
+    assert len(grouped) == len({id(p) for p in grouped})
+    assert {id(p) for p in grouped} == {id(p) for p in model.parameters() if p.requires_grad}
+    lora = Transformer(args)
+    apply_lora(lora, LoRAConfig(enabled=True))
+    assert muon_parameters(lora, fsdp_units(lora)) == []  # the adapters go to AdamW
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        ("--optim.muon.lr=0", "optim.muon.lr must be > 0, got 0"),
+        ("--optim.muon.momentum=1", "optim.muon.momentum must be in [0, 1), got 1"),
+        ("--optim.muon.ns_steps=100", "optim.muon.ns_steps must be in [1, 99], got 100"),
+        ("--optim.muon.ns_coefficients=1.0,2.0", "optim.muon.ns_coefficients must be three"),
+        ("--optim.muon.weight_decay=-0.1", "optim.muon.weight_decay must be >= 0"),
+        ("--optim.muon.adjust_lr_fn=rms", "adjust_lr_fn"),
+        ("--optim.name=sgd", "optim.name"),
+    ],
+)
+def test_bad_settings_are_one_config_error(arg: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(JobConfig, ["--optim.name=muon", arg])
+
+
+# ---- the same run on every mesh -------------------------------------------------------------
+
+
+def argv(dataset: str, out: Path, name: str, *extra: str) -> list[str]:
+    """tests/test_train.py's tiny Llama in fp32, 2 sequences per micro-batch, with Muon."""
+    return [f"--data.path={dataset}", f"--run.output_dir={out}", f"--run.name={name}", *TINY,
+            *FP32, *MUON, "--train.micro_batch_size=2", f"--train.steps={STEPS}",
+            "--metrics.tensorboard=true", "--metrics.log_interval=1", *extra]  # fmt: skip
+
+
+def train(dataset: str, out: Path, name: str, world: int, *extra: str, nodes: int = 1) -> dict:
+    """Train on `world` ranks (`nodes` of them: dp_replicate); losses and TensorBoard scalars."""
+    args = argv(dataset, out, name, *extra)
+    if nodes > 1:
+        args.append(f"--parallel.dp_replicate={nodes}")
+    losses = run_distributed(train_losses, world, args, nodes=nodes)[0]
+    return {"losses": losses} | scalars(out / name)
+
+
+def test_fsdp_two_ranks_is_the_one_process_run(tiny_dataset: str, tmp_path: Path) -> None:
+    """Muon's matrices gathered to their owners and scattered back: FSDP over 2 ranks gives the
+    1-process losses and grad norms within 1e-5 (the 4-rank meshes: the slow test below)."""
+    one = train(tiny_dataset, tmp_path, "one", 1)
+    fsdp = train(tiny_dataset, tmp_path, "fsdp", 2)
+    assert_same_run(fsdp, one)
+    assert one["losses"][-1] < one["losses"][0] - 0.2, one["losses"]
+
+
+@pytest.mark.slow
+def test_every_mesh_is_the_one_process_run(tiny_dataset: str, tmp_path: Path) -> None:
+    """FSDP 1x4, HSDP 2x2 and tp 2 give the 1-process losses and grad norms within 1e-5."""
+    one = train(tiny_dataset, tmp_path, "one", 1)
+    assert_same_run(train(tiny_dataset, tmp_path, "fsdp", 4), one)
+    assert_same_run(train(tiny_dataset, tmp_path, "hsdp", 4, nodes=2), one)
+    assert_same_run(train(tiny_dataset, tmp_path, "tp", 2, "--parallel.tp=2"), one)
+
+
+MOE = ["--model.name=qwen3_moe", *RUN_SHAPE["qwen3_moe"]]
+
+
+@pytest.mark.slow
+def test_expert_parallel_moe_is_the_one_process_run(tiny_dataset: str, tmp_path: Path) -> None:
+    """qwen3_moe with EP 2 on 2 ranks: each expert's matrix orthogonalized on its own, on the
+    rank that holds it; the 1-process losses, grad norms and aux losses within 1e-5."""
+    one = train(tiny_dataset, tmp_path, "one", 1, *MOE)
+    assert_same_run(train(tiny_dataset, tmp_path, "ep", 2, *MOE, "--parallel.ep=2"), one)
