@@ -171,3 +171,51 @@ def test_expert_parallel_moe_is_the_one_process_run(tiny_dataset: str, tmp_path:
     rank that holds it; the 1-process losses, grad norms and aux losses within 1e-5."""
     one = train(tiny_dataset, tmp_path, "one", 1, *MOE)
     assert_same_run(train(tiny_dataset, tmp_path, "ep", 2, *MOE, "--parallel.ep=2"), one)
+
+
+# ---- checkpoints ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_bitwise_and_on_another_mesh(tiny_dataset: str, tmp_path: Path) -> None:
+    """FSDP over 2 ranks saves at step 2: its momentum buffers for Muon's matrices, AdamW's
+    moments for the rest. Resumed there on 2 ranks, steps 3-4 are the straight run's, bitwise;
+    on 1 process (the buffers resharded by DCP) within 1e-5."""
+    from tests.test_checkpoint import ckpt
+    from tests.test_finetune import load_entries
+
+    save = ["--checkpoint.interval=2", "--checkpoint.keep_last=0"]
+    straight = train(tiny_dataset, tmp_path, "straight", 2, *save)
+    step2 = ckpt(tmp_path, "straight", 2)
+    same = train(tiny_dataset, tmp_path, "same", 2, f"--checkpoint.resume={step2}")
+    assert same["losses"] == straight["losses"][2:]
+    one = train(tiny_dataset, tmp_path, "one", 1, f"--checkpoint.resume={step2}")
+    assert_same_run(one, straight, steps=slice(2, None))
+
+    state = load_entries(step2, ("optimizer",))["optimizer"]["state"]
+    assert set(state["layers.0.attention.wq.weight"]) == {"momentum_buffer"}
+    assert state["layers.0.attention.wq.weight"]["momentum_buffer"].shape == (64, 64)
+    for name in ("tok_embeddings.weight", "output.weight", "norm.weight"):
+        assert set(state[name]) == {"step", "exp_avg", "exp_avg_sq"}, name
+
+
+@pytest.mark.slow
+def test_switching_optimizer_on_resume_is_one_config_error(
+    tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Muon checkpoint resumed with optim.name=adamw: one config error line; allowed with
+    checkpoint.load_model_only (the optimizer starts afresh)."""
+    from launch.check import check_config
+    from parallel.dims import LaunchEnv
+    from tests.test_checkpoint import ckpt
+    from tests.test_mixture import config_error
+
+    run_distributed(train_losses, 1, argv(tiny_dataset, tmp_path, "muon", "--train.steps=1",
+                                          "--checkpoint.interval=1"))  # fmt: skip
+    resume = f"--checkpoint.resume={ckpt(tmp_path, 'muon', 1)}"
+    adamw = [*argv(tiny_dataset, tmp_path, "adamw", resume), "--optim.name=adamw"]
+    error = config_error(adamw, caplog)
+    assert "optim.name: 'muon' -> 'adamw'" in error and "load_model_only" in error
+    env = LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, num_nodes=1)
+    job = parse_config(JobConfig, [*adamw, "--checkpoint.load_model_only=true"])
+    assert check_config(job, env).resume is not None
