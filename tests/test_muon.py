@@ -219,3 +219,50 @@ def test_switching_optimizer_on_resume_is_one_config_error(
     env = LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, num_nodes=1)
     job = parse_config(JobConfig, [*adamw, "--checkpoint.load_model_only=true"])
     assert check_config(job, env).resume is not None
+
+
+# ---- with the rest of the trainer -----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_frozen_parameters_and_clipping_under_fsdp(tiny_dataset: str, tmp_path: Path) -> None:
+    """Block 0 and the embedding frozen, the gradient clipped hard (0.05, every step): FSDP
+    over 2 ranks gives the 1-process run (4 micro-batches a step there, 2 here); the frozen
+    parameters get no optimizer state."""
+    from tests.test_checkpoint import ckpt
+    from tests.test_finetune import load_entries
+
+    tune = ["--train.freeze=tok_embeddings.*,layers.0.*", "--train.max_grad_norm=0.05"]
+    one = train(tiny_dataset, tmp_path, "one", 1, *tune, "--checkpoint.interval=0")
+    fsdp = train(tiny_dataset, tmp_path, "fsdp", 2, *tune, f"--checkpoint.interval={STEPS}")
+    assert_same_run(fsdp, one)
+    assert min(one["grad_norm"]) > 0.05  # clipped at every step
+    saved = load_entries(ckpt(tmp_path, "fsdp", STEPS), ("model", "optimizer"))
+    trainable = {n for n in saved["model"] if not n.startswith(("tok_embeddings.", "layers.0."))}
+    assert set(saved["optimizer"]["state"]) == trainable
+
+
+@pytest.mark.slow
+def test_lora_adapters_train_with_adamw(tiny_dataset: str, tmp_path: Path) -> None:
+    """LoRA's adapters are AdamW's (parallel/muon.py says why): a LoRA run with Muon is the
+    LoRA run with AdamW, bitwise."""
+    lora = ["--lora.enabled=true", "--lora.rank=4"]
+    muon = train(tiny_dataset, tmp_path, "muon", 1, *lora)
+    adamw = train(tiny_dataset, tmp_path, "adamw", 1, *lora, "--optim.name=adamw")
+    assert muon["losses"] == adamw["losses"]
+
+
+@pytest.mark.slow
+def test_float8_trains_with_muon_on_its_high_precision_weights(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Float8 matmuls (emulated on CPU), FSDP over 2 ranks: Muon steps the float32 weights
+    behind torchao's wrappers; the losses stay within 1% of the same run without float8."""
+    common = ["--parallel.param_dtype=bfloat16", "--fp8.filter=none", "--train.steps=6"]
+    plain = train(tiny_dataset, tmp_path, "plain", 2, *common)
+    fp8 = train(tiny_dataset, tmp_path, "fp8", 2, *common, "--fp8.enabled=true")
+    assert fp8["losses"] != plain["losses"]  # float8 really ran
+    assert fp8["losses"][-1] < fp8["losses"][0] - 0.2
+    torch.testing.assert_close(
+        torch.tensor(fp8["losses"]), torch.tensor(plain["losses"]), rtol=1e-2, atol=0
+    )
