@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.adamw import adamw
@@ -120,39 +121,97 @@ def newton_schulz(x: torch.Tensor, steps: int, coefficients: tuple[float, ...]) 
     return ortho.T if tall else ortho
 
 
-def _shifted(p: Shard, shift: int) -> Shard:
-    if type(p) is Shard:
-        return Shard(p.dim + shift)
-    # FSDP's _StridedShard (dp_shard x tp on the same dim): same split, one dim down.
-    return type(p)(p.dim + shift, split_factor=p.split_factor)
-
-
 def orthogonalize(
     updates: list[torch.Tensor], steps: int, coefficients: tuple[float, ...], dtype: torch.dtype
 ) -> list[torch.Tensor]:
     """Newton-Schulz in `dtype` of each matrix (each expert's of a 3-D stack) of `updates`,
-    whole, however they are sharded; returns each one's local part, shaped like its shard."""
+    whole, however they are sharded; returns each one's local part, shaped like its shard.
+
+    Where each rank already holds whole matrices (one process; expert stacks split by expert
+    only, as FSDP and expert parallel split them) they are orthogonalized where they are.
+    Matrices split along rows or columns over one mesh dim (FSDP, HSDP, tp alone) go to their
+    owners in one all-to-all per bucket of same-shaped matrices (`_exchange`). Any other layout
+    (FSDP x tp: split over two mesh dims) takes DTensor's redistribute, to the same result."""
     out: list[torch.Tensor | None] = [None] * len(updates)
     buckets: dict[Any, list[int]] = {}
     for i, u in enumerate(updates):
-        if not isinstance(u, DTensor):  # one process, no mesh: the whole matrix is here
-            stack = (u if u.ndim == 3 else u[None]).to(dtype)
-            out[i] = _newton_schulz_stack(stack, steps, coefficients)
-            out[i] = out[i] if u.ndim == 3 else out[i][0]
+        split = _split_dims(u)
+        if not split or (u.ndim == 3 and all(d == 0 for _, d in split)):
+            local = (u.to_local() if isinstance(u, DTensor) else u).to(dtype)
+            result = _newton_schulz_stack(local if u.ndim == 3 else local[None], steps,
+                                          coefficients)  # fmt: skip
+            out[i] = result if u.ndim == 3 else result[0]
             continue
-        # Matrices stack with those of the same shape and layout; an expert tensor is a stack.
-        key = i if u.ndim == 3 else (tuple(u.shape), u.device_mesh, tuple(u.placements))
-        buckets.setdefault(key, []).append(i)
+        buckets.setdefault((tuple(u.shape), u.device_mesh, tuple(u.placements)), []).append(i)
     for indices in buckets.values():
-        parts = _orthogonalize_bucket([updates[i] for i in indices], steps, coefficients, dtype)
+        bucket = [updates[i] for i in indices]
+        split = _split_dims(bucket[0])
+        one_dim = len(split) == 1 and type(bucket[0].placements[split[0][0]]) is Shard
+        if bucket[0].ndim == 2 and one_dim:
+            parts = _exchange(bucket, split[0], steps, coefficients, dtype)
+        else:
+            parts = _redistribute(bucket, steps, coefficients, dtype)
         for i, part in zip(indices, parts, strict=True):
             out[i] = part
     return out  # type: ignore[return-value]
 
 
-def _orthogonalize_bucket(
+def _split_dims(u: torch.Tensor) -> list[tuple[int, int]]:
+    """(mesh dim, tensor dim) of each mesh dim of more than one rank that splits `u`."""
+    if not isinstance(u, DTensor):
+        return []
+    mesh = u.device_mesh
+    return [
+        (i, p.dim) for i, p in enumerate(u.placements)
+        if isinstance(p, Shard) and mesh.size(i) > 1
+    ]  # fmt: skip
+
+
+def _exchange(
+    updates: list[DTensor],
+    split: tuple[int, int],
+    steps: int,
+    coefficients: tuple[float, ...],
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Matrices split along `dim` over one mesh dim: matrix k goes whole to rank k % N of that
+    group (round-robin), in one all-to-all for the bucket; each rank orthogonalizes its own,
+    and a second all-to-all returns to every rank its part of every result."""
+    mesh_dim, dim = split
+    group = updates[0].device_mesh.get_group(mesh_dim)
+    n, me = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
+    # Each rank's extent along `dim`: FSDP2 and DTensor split as torch.chunk does.
+    total, other = updates[0].shape[dim], updates[0].shape[1 - dim]
+    sizes = ([len(c) for c in torch.arange(total).chunk(n)] + [0] * n)[:n]
+    local = torch.stack([u.to_local().to(dtype) for u in updates])  # (K, my part)
+    owned = [list(range(j, len(updates), n)) for j in range(n)]  # each owner's matrices
+    mine = len(owned[me])
+    to_owners = [len(owned[j]) * sizes[me] * other for j in range(n)]  # my parts of theirs
+    from_ranks = [mine * sizes[j] * other for j in range(n)]  # their parts of mine
+    send = torch.cat([local[owned[j]].flatten() for j in range(n)])
+    receive = send.new_empty(sum(from_ranks))
+    dist.all_to_all_single(receive, send, from_ranks, to_owners, group=group)
+
+    def part(flat: torch.Tensor, count: int, extent: int) -> torch.Tensor:
+        return flat.view(count, extent, other) if dim == 0 else flat.view(count, other, extent)
+
+    pieces = receive.split(from_ranks)
+    whole = torch.cat([part(p, mine, sizes[j]) for j, p in enumerate(pieces)], dim=dim + 1)
+    result = _newton_schulz_stack(whole, steps, coefficients)
+    send = torch.cat([p.flatten() for p in result.split(sizes, dim=dim + 1)])
+    back = send.new_empty(sum(to_owners))
+    dist.all_to_all_single(back, send, to_owners, from_ranks, group=group)
+    ours = torch.empty_like(local)
+    for j, piece in enumerate(back.split(to_owners)):
+        ours[owned[j]] = part(piece, len(owned[j]), sizes[me])
+    return list(ours.unbind(0))
+
+
+def _redistribute(
     updates: list[DTensor], steps: int, coefficients: tuple[float, ...], dtype: torch.dtype
 ) -> list[torch.Tensor]:
+    """Any layout: the bucket stacked into one DTensor, redistributed so that its sharded mesh
+    dims split the stack instead (each rank then holds whole matrices), and back."""
     first = updates[0]
     mesh, placements = first.device_mesh, first.placements
     if first.ndim == 3:  # an expert tensor: its experts are the stack
@@ -161,7 +220,6 @@ def _orthogonalize_bucket(
         local = torch.stack([u.to_local().to(dtype) for u in updates])
         shape, shift = (len(updates), *first.shape), 1
     stacked = _from_local(local, mesh, _placements(placements, shift), shape)
-    # Every sharded mesh dim splits the stack instead: each rank holds whole matrices.
     owners = [Replicate() if isinstance(p, Replicate) else Shard(0) for p in placements]
     owned = stacked.redistribute(mesh, owners).to_local()
     result = _newton_schulz_stack(owned, steps, coefficients)
@@ -171,7 +229,15 @@ def _orthogonalize_bucket(
 
 
 def _placements(placements: Iterable[Any], shift: int) -> list[Any]:
+    """The placements of a stack of tensors: each shard dim moved `shift` dims down."""
     return [_shifted(p, shift) if isinstance(p, Shard) and shift else p for p in placements]
+
+
+def _shifted(p: Shard, shift: int) -> Shard:
+    if type(p) is Shard:
+        return Shard(p.dim + shift)
+    # FSDP's _StridedShard (dp_shard x tp on the same dim): the same split, one dim down.
+    return type(p)(p.dim + shift, split_factor=p.split_factor)
 
 
 def _from_local(local: torch.Tensor, mesh: Any, placements: list[Any], shape: tuple) -> DTensor:

@@ -125,6 +125,43 @@ def test_bad_settings_are_one_config_error(arg: str, message: str) -> None:
         parse_config(JobConfig, ["--optim.name=muon", arg])
 
 
+def orthogonalize_on_a_mesh(dp_replicate: int) -> None:
+    """On this rank: matrices split unevenly by rows and by columns, 5 of a shape (owners
+    0, 1, 2, 3, 0), and an expert stack split by expert: each rank's parts of the results are
+    those of torch.optim.Muon's orthogonalization of the whole matrices, bitwise."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from parallel.muon import newton_schulz, orthogonalize
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (dp_replicate, world // dp_replicate))
+    torch.manual_seed(0)  # every rank draws the same whole matrices
+    whole = [torch.randn(10, 6) for _ in range(5)] + [torch.randn(6, 10) for _ in range(5)]
+    whole.append(torch.randn(4, 6, 8))  # experts
+    placements = [[Replicate(), Shard(0)]] * 5 + [[Replicate(), Shard(1)]] * 5
+    placements.append([Replicate(), Shard(0)])
+    split = [distribute_tensor(w, mesh, p) for w, p in zip(whole, placements, strict=True)]
+    coefficients = (3.4445, -4.7750, 2.0315)
+    parts = orthogonalize(split, 5, coefficients, torch.bfloat16)
+    for w, s, part in zip(whole, split, parts, strict=True):
+        full = torch.stack(
+            [newton_schulz(m.bfloat16(), 5, coefficients) for m in w.view(-1, *w.shape[-2:])]
+        )
+        expected = distribute_tensor(full.view(w.shape), mesh, s.placements).to_local()
+        assert torch.equal(part, expected)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "dp_replicate", [pytest.param(1, marks=pytest.mark.slow, id="fsdp-1x4"), 2], ids=str
+)
+def test_sharded_matrices_are_orthogonalized_whole(dp_replicate: int) -> None:
+    run_distributed(orthogonalize_on_a_mesh, 4, dp_replicate, nodes=dp_replicate)
+
+
 # ---- the same run on every mesh -------------------------------------------------------------
 
 
@@ -144,9 +181,10 @@ def train(dataset: str, out: Path, name: str, world: int, *extra: str, nodes: in
     return {"losses": losses} | scalars(out / name)
 
 
+@pytest.mark.slow
 def test_fsdp_two_ranks_is_the_one_process_run(tiny_dataset: str, tmp_path: Path) -> None:
     """Muon's matrices gathered to their owners and scattered back: FSDP over 2 ranks gives the
-    1-process losses and grad norms within 1e-5 (the 4-rank meshes: the slow test below)."""
+    1-process losses and grad norms within 1e-5."""
     one = train(tiny_dataset, tmp_path, "one", 1)
     fsdp = train(tiny_dataset, tmp_path, "fsdp", 2)
     assert_same_run(fsdp, one)
