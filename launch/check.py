@@ -262,6 +262,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     """`train.py --dry-run`: the resolved config and the run's memory and communication plan,
     printed; nothing is trained and no data is needed."""
     shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
+    muon = job.optim.muon.ns_dtype if job.optim.name == "muon" else None
     mem = plan_memory(
         shape,
         plan.dp_shard,
@@ -277,6 +278,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         ep=plan.ep,
         cp=plan.cp,
         loss_chunk_tokens=job.train.loss_chunk_tokens,
+        muon_dtype=muon,
     )
     comm = plan_communication(
         shape,
@@ -293,6 +295,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         ac_every=job.ac.every,
         ep=plan.ep,
         cp=plan.cp,
+        muon_dtype=muon,
     )
     print(config_to_toml(job))
     print(
