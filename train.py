@@ -265,11 +265,14 @@ def _train(
     )
     checkpointer = Checkpointer(job.checkpoint, ckpt_folder, env.rank == 0)
     if env.rank == 0 and job.checkpoint.interval > 0:
-        # fp32 weights, plus AdamW's two fp32 moments of what trains (a lower bound: the data
-        # position, RNG and config are small).
+        # fp32 weights, plus AdamW's two fp32 moments of what trains, Muon's one (a lower
+        # bound: the data position, RNG and config are small).
         params = list(run.model.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)
-        warn_if_low_space(ckpt_folder, 4 * sum(p.numel() for p in params) + 8 * trainable)
+        muon = sum(p.numel() for g in run.optimizer.param_groups
+                   if g.get("algorithm") == "muon" for p in g["params"])  # fmt: skip
+        state = 4 * sum(p.numel() for p in params) + 8 * trainable - 4 * muon
+        warn_if_low_space(ckpt_folder, state)
     # An older one if plan.resume is damaged; logs the resume, once verified.
     resumed = checkpointer.load(states, plan.resume, job.train.steps)
     # The checkpoint brought its own lr, betas, ...: what this run's config says wins (the

@@ -54,6 +54,7 @@ from parallel.dims import LaunchEnv, resolve_dims
 from parallel.ep import check_ep
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
 from parallel.loss import check_chunked_loss
+from parallel.muon import MuonConfig
 from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
 
@@ -139,6 +140,11 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         if (mapping := get_hf_mapping(job.model.name)) is None:
             raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
         check_hf_config(mapping, args, job.checkpoint.init_from_hf)
+    if job.optim.name == "muon" and job.parallel.cpu_offload:
+        raise ConfigError(
+            "optim.name='muon' with parallel.cpu_offload is not supported: Muon's all-to-alls "
+            "would send the offloaded (CPU) matrices over the GPUs' NCCL group"
+        )
     if job.lora.enabled and t.freeze:
         raise ConfigError(
             "train.freeze with lora.enabled: LoRA already freezes every parameter but its "
@@ -208,6 +214,10 @@ def unintended_settings(job: JobConfig) -> list[str]:
             f"ac.every={job.ac.every} has no effect with ac.mode={job.ac.mode!r}: it picks the "
             "recomputed blocks of ac.mode='selective' only"
         )
+    if job.optim.name != "muon" and (unused := changed_fields(job.optim.muon, MuonConfig())):
+        settings = ", ".join(f"optim.muon.{name}={value!r}" for name, value in unused.items())
+        verb = "has" if len(unused) == 1 else "have"
+        warnings.append(f"{settings} {verb} no effect with optim.name={job.optim.name!r}")
     if not job.fp8.enabled and (unused := changed_fields(job.fp8, Float8Config())):
         settings = ", ".join(f"fp8.{name}={value!r}" for name, value in unused.items())
         verb = "has" if len(unused) == 1 else "have"

@@ -162,6 +162,24 @@ def test_sharded_matrices_are_orthogonalized_whole(dp_replicate: int) -> None:
     run_distributed(orthogonalize_on_a_mesh, 4, dp_replicate, nodes=dp_replicate)
 
 
+def test_cross_section_settings(tiny_dataset: str) -> None:
+    """Muon with CPU offload: one config error; [optim.muon] keys changed under AdamW: a
+    warning, not an error."""
+    from launch.check import check_config, unintended_settings
+    from parallel.dims import LaunchEnv
+
+    env = LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, num_nodes=1)
+    base = [f"--data.path={tiny_dataset}", *TINY]
+    offload = parse_config(JobConfig, [*base, *MUON, "--parallel.cpu_offload=true"])
+    with pytest.raises(ConfigError, match="optim.name='muon' with parallel.cpu_offload"):
+        check_config(offload, env)
+    adamw = parse_config(JobConfig, [*base, "--optim.muon.lr=0.02"])
+    assert unintended_settings(adamw) == [
+        "optim.muon.lr=0.02 has no effect with optim.name='adamw'"
+    ]
+    assert unintended_settings(parse_config(JobConfig, [*base, *MUON])) == []
+
+
 # ---- the same run on every mesh -------------------------------------------------------------
 
 
