@@ -10,20 +10,22 @@ the bit on a whole matrix (tests/test_muon.py compares them directly).
 Under FSDP2 a rank holds a row shard of each matrix, and Newton-Schulz over a row shard is not
 the orthogonalization of the matrix. So the momentum (elementwise) is updated on the shards, as
 DTensors shaped like the parameters (DCP saves and reshards them like AdamW's moments), and for
-the orthogonalization each matrix is moved whole onto one rank of its sharding group:
+the orthogonalization each matrix is made whole on one rank of its sharding group, its owner
+(`orthogonalize`):
 
-- the same-shape matrices of a parameter group (every block's `wq`, ...) are stacked into one
-  (K, out, in) DTensor, its shard placements moved one dim down;
-- `redistribute` to `Shard(0)` on every sharded mesh dim: one all-to-all per bucket, after which
-  rank r holds matrices r*K/N ... (r+1)*K/N whole (the owners, contiguous chunks of the stack);
-- Newton-Schulz on each owned matrix, then the reverse all-to-all gives every rank its shard of
-  every update.
+- matrices split along one dim over one mesh dim (FSDP, HSDP, tp alone): the same-shaped ones
+  of a parameter group (every block's `wq` and `wo`, ...) form a bucket; matrix k goes to rank
+  k mod N (round-robin) in one all-to-all for the bucket, the owner runs Newton-Schulz, and a
+  second all-to-all returns every rank its part of every result;
+- an MoE expert stack (experts, out, in) split by expert (FSDP's Shard(0), expert parallel):
+  each rank holds whole experts already and orthogonalizes each on its own, with no traffic;
+- any other layout (FSDP x tp: split over two mesh dims) is stacked into one DTensor and
+  redistributed so that the stack dim carries the sharding, and back.
 
 Replicated mesh dims (HSDP's dp_replicate) stay replicated: each replica repeats its group's
-work, which costs no traffic across replicas. An MoE expert tensor (experts, out, in) is its own
-stack: each expert's matrix is orthogonalized on its own. The stack travels in the dtype of
-Newton-Schulz (bfloat16, torch's, unless optim.muon.ns_dtype says float32), which torch casts to
-first: the same result as sending float32, at half the bytes.
+work, which costs no traffic across replicas. The matrices travel in the dtype of Newton-Schulz
+(bfloat16, torch's, unless optim.muon.ns_dtype says float32), which torch casts to first: the
+same result as sending float32, at half the bytes. docs/parallelism.md explains the choice.
 """
 
 from __future__ import annotations
@@ -64,9 +66,10 @@ class MuonConfig:
     """(a, b, c) of the quintic iteration X <- aX + (bA + cA^2)X, A = XX^T."""
     ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of Newton-Schulz (and of the matrices' trip to their owners). bfloat16 is
-    torch.optim.Muon's, bitwise; float32 costs twice the bytes and the matmul time, and makes
-    the run's losses on different meshes agree to 1e-5 (in bfloat16, a gradient that differs in
-    its last float32 bit between meshes can round to a neighbouring bfloat16 value)."""
+    torch.optim.Muon's, bitwise; float32 costs twice the bytes (and, on GPUs, the matmul time)
+    and keeps runs on different meshes within 1e-5 of each other in tests/test_muon.py (in
+    bfloat16 a gradient that differs in its last float32 bit between meshes can round to a
+    neighbouring bfloat16 value)."""
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
     """Update scale per matrix (out, in): 'original' lr * sqrt(max(1, out/in)) (Keller Jordan),
     'match_rms_adamw' lr * 0.2 * sqrt(max(out, in)) (Moonshot)."""
@@ -163,8 +166,13 @@ def _split_dims(u: torch.Tensor) -> list[tuple[int, int]]:
     mesh = u.device_mesh
     return [
         (i, p.dim) for i, p in enumerate(u.placements)
-        if isinstance(p, Shard) and mesh.size(i) > 1
+        if _is_shard(p) and mesh.size(i) > 1
     ]  # fmt: skip
+
+
+def _is_shard(p: Any) -> bool:
+    # FSDP's _StridedShard (dp_shard x tp on one dim) is a Shard in torch 2.11, not in 2.13.
+    return isinstance(p, Shard) or hasattr(p, "split_factor")
 
 
 def _exchange(
@@ -230,13 +238,13 @@ def _redistribute(
 
 def _placements(placements: Iterable[Any], shift: int) -> list[Any]:
     """The placements of a stack of tensors: each shard dim moved `shift` dims down."""
-    return [_shifted(p, shift) if isinstance(p, Shard) and shift else p for p in placements]
+    return [_shifted(p, shift) if _is_shard(p) and shift else p for p in placements]
 
 
-def _shifted(p: Shard, shift: int) -> Shard:
+def _shifted(p: Any, shift: int) -> Any:
     if type(p) is Shard:
         return Shard(p.dim + shift)
-    # FSDP's _StridedShard (dp_shard x tp on the same dim): the same split, one dim down.
+    # _StridedShard: the same split, one dim down.
     return type(p)(p.dim + shift, split_factor=p.split_factor)
 
 

@@ -211,11 +211,13 @@ def test_fsdp_two_ranks_is_the_one_process_run(tiny_dataset: str, tmp_path: Path
 
 @pytest.mark.slow
 def test_every_mesh_is_the_one_process_run(tiny_dataset: str, tmp_path: Path) -> None:
-    """FSDP 1x4, HSDP 2x2 and tp 2 give the 1-process losses and grad norms within 1e-5."""
+    """FSDP 1x4, HSDP 2x2, tp 2 and FSDP 2 x tp 2 (matrices split over two mesh dims: the
+    redistribute path) give the 1-process losses and grad norms within 1e-5."""
     one = train(tiny_dataset, tmp_path, "one", 1)
     assert_same_run(train(tiny_dataset, tmp_path, "fsdp", 4), one)
     assert_same_run(train(tiny_dataset, tmp_path, "hsdp", 4, nodes=2), one)
     assert_same_run(train(tiny_dataset, tmp_path, "tp", 2, "--parallel.tp=2"), one)
+    assert_same_run(train(tiny_dataset, tmp_path, "fsdp-tp", 4, "--parallel.tp=2"), one)
 
 
 MOE = ["--model.name=qwen3_moe", *RUN_SHAPE["qwen3_moe"]]
