@@ -12,6 +12,8 @@ then cosine to 0.1x, loss/val (4 batches) at the last step. AdamW's lr is swept 
 AdamW's best lr for the parameters it leaves to AdamW. The best lr of each then runs the other
 seeds. Overhead: the throughput benchmark's debug case (16 x 256 tokens a step) with AdamW
 and with Muon, alternated, on 1 and 4 gloo ranks; median seconds per step after warm-up.
+Step: optimizer.step() alone on one process, the same model with random gradients, AdamW
+and Muon alternated (what Muon adds to a step, free of the forward and backward's noise).
 JSON with every command and number to --out.
 """
 
@@ -116,6 +118,37 @@ def overhead(opts: Namespace) -> dict:
     return result
 
 
+def optimizer_step(opts: Namespace) -> dict:
+    """optimizer.step() alone, in this process: the debug model (no mesh) with random
+    gradients, AdamW and Muon (each Newton-Schulz dtype) alternated; median ms per step. What
+    Muon adds to a step on one rank, free of the forward and backward's noise."""
+    import torch
+
+    from configs import parse_config
+    from launch.job import JobConfig
+    from model import get_family
+    from train import build_optimizer
+
+    torch.set_num_threads(opts.threads)
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for _ in range(opts.step_rounds):
+        for name, extra in VARIANTS.items():
+            job = parse_config(JobConfig, [*MODEL, *extra])
+            family = get_family(job.model.name)
+            model = family.build_model(family.build_args(job.model))
+            optimizer = build_optimizer(model, job.optim, family.fsdp_units(model))
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            optimizer.step()  # state allocated
+            start = time.perf_counter()
+            for _ in range(3):
+                optimizer.step()
+            times[name].append((time.perf_counter() - start) / 3 * 1000)
+    result = {name: statistics.median(t) for name, t in times.items()} | {"samples": times}
+    print(f"  optimizer.step ms: {result}", file=sys.stderr)
+    return result
+
+
 def markdown(report: dict) -> str:
     lines = []
     if "quality" in report:
@@ -135,12 +168,18 @@ def markdown(report: dict) -> str:
             cells = [f"{o[v]:.3f}" + (f" ({100 * (o[v] / o['adamw'] - 1):+.0f}%)" if v != "adamw"
                      else "") for v in VARIANTS]  # fmt: skip
             lines.append(f"| {world} | " + " | ".join(cells) + " |")
+    if "step" in report:
+        lines += ["", "| optimizer.step(), debug model, 1 process | " + " | ".join(VARIANTS) + " |",
+                  "|---" * (len(VARIANTS) + 1) + "|",
+                  "| ms (median) | " + " | ".join(f"{report['step'][v]:.0f}" for v in VARIANTS)
+                  + " |"]  # fmt: skip
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", nargs="+", default=["quality", "overhead"])
+    p.add_argument("--parts", nargs="+", default=["quality", "overhead", "step"])
+    p.add_argument("--step-rounds", type=int, default=5, help="step: alternations")
     p.add_argument("--steps", type=int, default=150, help="quality runs' train.steps")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--lrs", type=float, nargs="+", default=LRS)
@@ -162,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         report["quality"] = quality(opts)
     if "overhead" in opts.parts:
         report["overhead"] = overhead(opts)
+    if "step" in opts.parts:
+        report["step"] = optimizer_step(opts)
     report["commands"] = opts.commands
     opts.out.write_text(json.dumps(report, indent=2))
     print(markdown(report))
