@@ -54,7 +54,7 @@ from parallel.dims import LaunchEnv, resolve_dims
 from parallel.ep import check_ep
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
 from parallel.loss import check_chunked_loss
-from parallel.muon import MuonConfig
+from parallel.muon import MuonConfig, check_muon
 from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
 
@@ -140,11 +140,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         if (mapping := get_hf_mapping(job.model.name)) is None:
             raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
         check_hf_config(mapping, args, job.checkpoint.init_from_hf)
-    if job.optim.name == "muon" and job.parallel.cpu_offload:
-        raise ConfigError(
-            "optim.name='muon' with parallel.cpu_offload is not supported: Muon's all-to-alls "
-            "would send the offloaded (CPU) matrices over the GPUs' NCCL group"
-        )
+    check_muon(job.optim.name, job.parallel.cpu_offload)
     if job.lora.enabled and t.freeze:
         raise ConfigError(
             "train.freeze with lora.enabled: LoRA already freezes every parameter but its "

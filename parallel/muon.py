@@ -89,6 +89,15 @@ class MuonConfig:
                 raise ConfigError(f"optim.muon.{name} must be {rule}, got {getattr(self, name)}")
 
 
+def check_muon(optimizer: str, cpu_offload: bool) -> None:
+    """ConfigError for what Muon cannot run with (launch/check.py, before any collective)."""
+    if optimizer == "muon" and cpu_offload:
+        raise ConfigError(
+            "optim.name='muon' with parallel.cpu_offload is not supported: Muon's all-to-alls "
+            "would send the offloaded (CPU) matrices over the GPUs' NCCL group"
+        )
+
+
 def muon_parameters(model: nn.Module, blocks: list[nn.Module]) -> list[str]:
     """Names of the parameters Muon trains: the trainable matrices (and 3-D expert stacks) of the
     blocks. The embeddings, the output projection, norms and biases are left to AdamW: they are
