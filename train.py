@@ -81,6 +81,7 @@ from parallel.ep import build_expert_mesh
 from parallel.fsdp import assign_local_shard, reshard_plan
 from parallel.lora import adapter_names, init_lora
 from parallel.loss import ChunkedLoss
+from parallel.muon import Muon, muon_groups
 from parallel.runtime import (
     build_mesh,
     dp_rank_and_size,
@@ -97,7 +98,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger("train")
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimizerConfig, blocks: list[torch.nn.Module]
+) -> torch.optim.Optimizer:
+    """AdamW, or Muon on the `blocks`' matrices and AdamW on the rest (optim.name)."""
+    impl = "fused" if cfg.implementation == "auto" else cfg.implementation
+    adamw = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
+             "weight_decay": cfg.weight_decay}  # fmt: skip
+    if cfg.name == "muon":
+        return Muon(muon_groups(model, blocks, cfg.muon, adamw), kernel=impl)
     # Trainable parameters only: frozen ones (train.freeze, LoRA's base) get no state.
     # Decay matrices only: decaying RMSNorm gains toward 0 fights the normalization.
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -107,7 +116,6 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    impl = "fused" if cfg.implementation == "auto" else cfg.implementation
     kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}}.get(impl, {"foreach": False})
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
 
@@ -136,11 +144,20 @@ def apply_optimizer_config(
     were saved with; a resume that changes them in the config means to change them. The lr is
     the schedule's value after `step` steps, as LambdaLR would set it.
     """
-    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
-    lr = cfg.lr * lr_lambda(step, cfg, total_steps)
-    for group in optimizer.param_groups:
-        group.update(lr=lr, initial_lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    optimizer.param_groups[0]["weight_decay"] = cfg.weight_decay  # matrices (build_optimizer)
+    # Muon's matrices (optim.name="muon") have their own peak lr; the schedule scales both.
+    muon = [group.get("algorithm") == "muon" for group in optimizer.param_groups]
+    scheduler.base_lrs = [cfg.muon.lr if is_muon else cfg.lr for is_muon in muon]
+    for group, peak, is_muon in zip(optimizer.param_groups, scheduler.base_lrs, muon, strict=True):
+        group.update(lr=peak * lr_lambda(step, cfg, total_steps), initial_lr=peak)
+        if is_muon:
+            m = cfg.muon
+            group.update(weight_decay=m.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
+                         ns_steps=m.ns_steps, ns_coefficients=list(m.ns_coefficients),
+                         adjust_lr_fn=m.adjust_lr_fn, ns_dtype=m.ns_dtype)  # fmt: skip
+        else:
+            group.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    # AdamW's first group holds its matrices (build_optimizer, muon_groups): decayed.
+    optimizer.param_groups[muon.count(True)]["weight_decay"] = cfg.weight_decay
 
 
 class NonFiniteError(RuntimeError):
@@ -301,11 +318,7 @@ def _train(
     )  # fmt: skip
     checkpointer = Checkpointer(job.checkpoint, ckpt_folder, env.rank == 0)
     if env.rank == 0 and job.checkpoint.interval > 0:
-        # fp32 weights, plus AdamW's two fp32 moments of what trains (a lower bound: the data
-        # position, RNG and config are small).
-        params = list(run.model.parameters())
-        trainable = sum(p.numel() for p in params if p.requires_grad)
-        warn_if_low_space(ckpt_folder, 4 * sum(p.numel() for p in params) + 8 * trainable)
+        warn_if_low_space(ckpt_folder, checkpoint_bytes(run))
     heartbeat.beat(0, "resume")
     # An older one if plan.resume is damaged; logs the resume, once verified.
     resumed = checkpointer.load(states, plan.resume, job.train.steps)
@@ -341,6 +354,16 @@ def _train(
             "docs/launch.md)"
         )
     return end.losses, None
+
+
+def checkpoint_bytes(run: Run) -> int:
+    """A lower bound of one checkpoint's size: fp32 weights, plus AdamW's two fp32 moments of
+    what trains, Muon's one (the data position, RNG and config are small)."""
+    params = list(run.model.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    muon = sum(p.numel() for g in run.optimizer.param_groups
+               if g.get("algorithm") == "muon" for p in g["params"])  # fmt: skip
+    return 4 * sum(p.numel() for p in params) + 8 * trainable - 4 * muon
 
 
 def log_resume_changes(job: JobConfig, plan: Plan, path: Path, step: int, mesh_now: Mesh) -> None:
@@ -389,7 +412,7 @@ def setup(
         frozen = f" ({trainable:,} trainable, {n_params - trainable:,} frozen)"
         logger.info("model %s: %s parameters%s", job.model.flavor, f"{n_params:,}",
                     frozen if trainable < n_params else "")  # fmt: skip
-    optimizer = build_optimizer(model, job.optim)
+    optimizer = build_optimizer(model, job.optim, plan.family.fsdp_units(model))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_lambda(step, job.optim, t.steps)
     )

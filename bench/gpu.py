@@ -8,6 +8,7 @@
     python bench/gpu.py --suite finetune    # 1B at 8k: full vs half frozen vs LoRA rank 16
     python bench/gpu.py --suite moe     # 4 layers of Qwen3-30B-A3B, grouped GEMM: eager, compile
     python bench/gpu.py --suite cp      # 2+ GPUs: 1B at 32k and 64k, cp = GPUs, chunked loss
+    python bench/gpu.py --suite muon    # 1B at 8k: AdamW vs Muon (bf16 and fp32 Newton-Schulz)
     python bench/gpu.py --smoke         # the debug model on any device: checks the harness only
 
 `--profile` has each case profile its last step with the trainer's own
@@ -126,6 +127,23 @@ SUITES = {
         "smoke": ["--model.name=qwen3_moe"],
         "baseline": "bf16 eager",
         "cases": {"bf16 eager": [], "bf16 compile": COMPILE},
+    },
+    # Issue #31 (Muon): the 1B flavor at 8k tokens, compiled, AdamW against Muon on the blocks'
+    # matrices (Newton-Schulz in bfloat16, torch's, and in float32). On one GPU no matrix
+    # travels: the difference is the Newton-Schulz matmuls (5 iterations of 3 GEMMs per matrix
+    # a step). MFU counts the model's FLOPs only, so Muon's show as a lower MFU.
+    "muon": {
+        "model": ["--model.flavor=1B", *SEQ],
+        "baseline": "bf16 compile adamw",
+        "cases": {
+            "bf16 compile adamw": COMPILE,
+            "bf16 compile muon": [*COMPILE, "--optim.name=muon"],
+            "bf16 compile muon fp32 ns": [
+                *COMPILE,
+                "--optim.name=muon",
+                "--optim.muon.ns_dtype=float32",
+            ],
+        },  # fmt: skip
     },
     # Issue #34 (context parallel): one sequence of 32k or 64k tokens per step split over all
     # the visible GPUs (parallel.cp = GPUs, one data-parallel rank; FSDP over the cp ranks), the

@@ -8,7 +8,7 @@ keys (the constants MODEL, OPTIMIZER, ... below) are the checkpoint format that 
 | key | what | on resume |
 |---|---|---|
 | `model` | `get_model_state_dict`: FQN -> DTensor shard (full shapes in the metadata) | loaded |
-| `optimizer` | `get_optimizer_state_dict`: AdamW moments and step, keyed by FQN | loaded |
+| `optimizer` | `get_optimizer_state_dict`: AdamW moments and step (or Muon's), by FQN | loaded |
 | `lr_scheduler` | `LambdaLR.state_dict()` (its lambdas are rebuilt from the config) | loaded |
 | `dataloader` | the train loader's state: global stream positions consumed | loaded |
 | `train` | step, samples and tokens seen, RNG states | loaded |
@@ -105,7 +105,8 @@ class ModelState(Stateful):
 
 
 class OptimizerState(Stateful):
-    """AdamW state (moments and step per parameter FQN, and the param groups)."""
+    """AdamW state (moments and step per parameter FQN, and the param groups); under Muon
+    (parallel/muon.py) a momentum buffer for each of Muon's matrices instead."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer

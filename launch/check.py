@@ -54,6 +54,7 @@ from parallel.cp import check_cp
 from parallel.dims import LaunchEnv
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
 from parallel.loss import check_chunked_loss
+from parallel.muon import MuonConfig, check_muon
 from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
 
@@ -130,6 +131,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         if (mapping := get_hf_mapping(job.model.name)) is None:
             raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
         check_hf_config(mapping, args, job.checkpoint.init_from_hf)
+    check_muon(job.optim.name, job.parallel.cpu_offload)
     if job.lora.enabled and t.freeze:
         raise ConfigError(
             "train.freeze with lora.enabled: LoRA already freezes every parameter but its "
@@ -198,6 +200,10 @@ def unintended_settings(job: JobConfig) -> list[str]:
             f"ac.every={job.ac.every} has no effect with ac.mode={job.ac.mode!r}: it picks the "
             "recomputed blocks of ac.mode='selective' only"
         )
+    if job.optim.name != "muon" and (unused := changed_fields(job.optim.muon, MuonConfig())):
+        settings = ", ".join(f"optim.muon.{name}={value!r}" for name, value in unused.items())
+        verb = "has" if len(unused) == 1 else "have"
+        warnings.append(f"{settings} {verb} no effect with optim.name={job.optim.name!r}")
     if not job.fp8.enabled and (unused := changed_fields(job.fp8, Float8Config())):
         settings = ", ".join(f"fp8.{name}={value!r}" for name, value in unused.items())
         verb = "has" if len(unused) == 1 else "have"
@@ -252,6 +258,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     """`train.py --dry-run`: the resolved config and the run's memory and communication plan,
     printed; nothing is trained and no data is needed."""
     shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
+    muon = job.optim.muon.ns_dtype if job.optim.name == "muon" else None
     mem = plan_memory(
         shape,
         plan.dp_shard,
@@ -267,6 +274,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         ep=plan.ep,
         cp=plan.cp,
         loss_chunk_tokens=job.train.loss_chunk_tokens,
+        muon_dtype=muon,
     )
     comm = plan_communication(
         shape,
@@ -283,6 +291,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         ac_every=job.ac.every,
         ep=plan.ep,
         cp=plan.cp,
+        muon_dtype=muon,
     )
     print(config_to_toml(job))
     print(

@@ -25,6 +25,7 @@ from parallel.compile import CompileConfig
 from parallel.dims import ParallelConfig
 from parallel.float8 import Float8Config
 from parallel.lora import LoRAConfig
+from parallel.muon import MuonConfig
 
 
 @dataclass
@@ -40,9 +41,13 @@ class RunConfig:
         check_folder_name("run.name", self.name, absolute=False)
 
 
-# AdamW and its schedule: train.py builds them (build_optimizer, lr_lambda).
+# AdamW (or Muon and AdamW) and the schedule: train.py builds them (build_optimizer, lr_lambda).
 @dataclass
 class OptimizerConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    """'adamw' for every parameter, or 'muon': Muon for the blocks' matrices ([optim.muon],
+    parallel/muon.py) and AdamW (lr, betas, eps, weight_decay below) for the embeddings, output
+    projection, norms and LoRA adapters. A resume cannot switch it."""
     lr: float = 3e-4
     """Peak learning rate, reached at the end of warm-up."""
     min_lr_ratio: float = 0.1
@@ -61,6 +66,8 @@ class OptimizerConfig:
     """AdamW epsilon."""
     implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
     """AdamW kernel: 'auto' = fused (one kernel for all parameters), the fastest everywhere."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    """Muon's settings, read with name='muon'; its lr follows the same schedule."""
 
     def __post_init__(self) -> None:
         # torch.optim.AdamW would refuse some of these, but only inside every rank after the

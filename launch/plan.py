@@ -67,9 +67,11 @@ def format_plan(
         ("expert_shard", "all_gather"),
         ("expert_shard", "reduce_scatter"),
         ("ep", "all_to_all"),
+        ("dp_shard", "all_to_all"),  # Muon's owners (optim.name="muon")
+        ("tp", "all_to_all"),
     ):
-        if not any(dim in comm for _, comm in columns.values()):
-            continue  # cp's and expert parallel's rows, for a column that has them
+        if not any(coll in comm.get(dim, {}) for _, comm in columns.values()):
+            continue  # cp's, expert parallel's and Muon's rows, for a column that has them
         row = "".join(_size(comm.get(dim, {}).get(coll, 0)) for _, comm in columns.values())
         lines.append(f"  {f'sent/step: {dim} {coll}':<{width}}" + row)
     return lines

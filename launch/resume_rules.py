@@ -23,11 +23,12 @@ logger = logging.getLogger(__name__)
 
 # What a resume may change: everything not listed here is applied (and listed in the log).
 # These would change the model's math, what trains (the optimizer holds state for exactly the
-# trainable parameters) or the data stream under a running optimizer, so a resume that changes
+# trainable parameters), the optimizer (Muon's momentum is not AdamW's moments) or the data
+# stream under a running optimizer, so a resume that changes
 # them is an error (start a new run, or fine-tune with load_model_only). lora.dropout may change.
 RESUME_FIXED = ("data.path", "data.seq_len", "data.num_workers", "data.attention_mask",
                 "data.document_positions", "train.seed", "train.freeze", "lora.enabled",
-                "lora.rank", "lora.alpha", "lora.targets")  # fmt: skip
+                "lora.rank", "lora.alpha", "lora.targets", "optim.name")  # fmt: skip
 # Not settings of the run's math: where it lives and how it was started.
 RESUME_IGNORED = ("run.", "dry_run", "checkpoint.resume", "checkpoint.load_model_only",
                   "checkpoint.init_from_hf")  # fmt: skip
@@ -62,8 +63,9 @@ def resume_changes(job: JobConfig, path: Path) -> list[str]:
         what = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed)
         raise ConfigError(
             f"resuming {path} with a changed {what}: a resume cannot change the model, what "
-            "trains or the data stream (see the checkpoint's config in its run folder); start a "
-            "new run.name, or use checkpoint.load_model_only=true to start over from its weights"
+            "trains, the optimizer or the data stream (see the checkpoint's config in its run "
+            "folder); start a new run.name, or use checkpoint.load_model_only=true to start over "
+            "from its weights"
         )
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed if not k.startswith("model.")]
 

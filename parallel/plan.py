@@ -53,6 +53,15 @@ real run within 1%):
   (full, selective and op AC alike: the gathered K/V are not among op AC's saved outputs)
   (`_cp_communication`). The all-gather of the document ids under document masking (8 bytes
   a token per forward) is left out.
+- Muon (optim.name="muon", parallel/muon.py): a momentum buffer (float32) per Muon matrix in
+  place of AdamW's two moments and step. Each bucket of same-shaped block matrices split over
+  one mesh dim (dp_shard x cp at tp = 1, tp at dp_shard x cp = 1) crosses two all-to-alls in
+  the Newton-Schulz dtype: each of K matrices of M elements goes to its owner and comes back,
+  2 (N-1)/N^2 K M per rank on average (every rank but the owner sends its 1/N, the owner sends
+  back N-1 of N parts). Expert stacks are split by expert, whole where they are: no traffic.
+  Under FSDP x tp (a matrix split over two mesh dims) DTensor's redistribute moves them
+  instead: not counted. The owner holds its ceil(K/N) whole matrices of the largest bucket
+  twice (received, orthogonalized): `muon_owner`.
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ from model import ModelFamily, moe_family
 from parallel.float8 import Float8Config
 from parallel.fsdp import Reshard, reshard_plan
 from parallel.lora import LoRAConfig
+from parallel.muon import muon_parameters
 
 BYTES = {"bfloat16": 2, "float32": 4}
 AcMode = Literal["none", "full", "selective", "op"]
@@ -87,6 +97,8 @@ class Unit:
     """Whether backward runs through this unit (not: frozen, and nothing before it trains)."""
     expert: tuple[bool, ...] = ()
     """Which parameters are stacked expert weights (dim 0 = expert); empty: none."""
+    muon: tuple[bool, ...] = ()
+    """Which parameters Muon trains under optim.name="muon" (parallel/muon.py); empty: none."""
 
     def numel(self, trainable_only: bool = False) -> int:
         return sum(math.prod(s) for s, t in zip(self.shapes, self._trains(), strict=True)
@@ -107,21 +119,24 @@ class Unit:
         trainable_only: bool = False,
         ep: int = 1,
         experts: bool | None = None,
+        muon: bool | None = None,
     ) -> int:
         """Elements of this rank's (padded) shard: FSDP2 pads dim 0 to a multiple of shard;
         a weight tensor parallel splits holds 1/tp of them (tp divides those dims).
         `trainable_only`: of the parameters that train (gradients, optimizer state). Expert
         weights under expert parallel: split over ep by expert first, then FSDP pads each
         rank's experts to a multiple of shard / ep (expert_shard). `experts`: True for the
-        expert weights only, False for the others only."""
+        expert weights only, False for the others only; `muon` likewise for Muon's."""
         split = self.tp_split or (False,) * len(self.shapes)
         expert = self.expert or (False,) * len(self.shapes)
-        params = zip(self.shapes, self.float8_gathered, split, self._trains(), expert, strict=True)
+        muons = self.muon or (False,) * len(self.shapes)
+        params = zip(self.shapes, self.float8_gathered, split, self._trains(), expert, muons,
+                     strict=True)  # fmt: skip
         total = 0
-        for s, f, t, trains, e in params:
+        for s, f, t, trains, e, m in params:
             if (fp8_only is not None and f != fp8_only) or (trainable_only and not trains):
                 continue
-            if experts is not None and e != experts:
+            if (experts is not None and e != experts) or (muon is not None and m != muon):
                 continue
             rows = math.ceil(s[0] // ep / (shard // ep)) if e else math.ceil(s[0] / shard)
             total += rows * math.prod(s[1:]) // (tp if t else 1)
@@ -197,13 +212,16 @@ def model_shape(
     experts = set()
     if moe is not None:
         experts = {id(p) for m in moe.expert_modules(model) for p in m.parameters()}
+    names = set(muon_parameters(model, units))
+    muon = {id(p) for n, p in model.named_parameters() if n in names}
 
     def unit(params: list[nn.Parameter], backward: bool = True) -> Unit:
         shapes = tuple(tuple(p.shape) for p in params)
         return Unit(shapes, tuple(id(p) in float8 for p in params),
                     tuple(id(p) in split for p in params),
                     tuple(p.requires_grad for p in params), backward,
-                    tuple(id(p) in experts for p in params))  # fmt: skip
+                    tuple(id(p) in experts for p in params),
+                    tuple(id(p) in muon for p in params))  # fmt: skip
 
     blocks = []
     for u in units:
@@ -292,11 +310,13 @@ def plan_communication(
     ac_every: int = 1,
     ep: int = 1,
     cp: int = 1,
+    muon_dtype: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Bytes each rank sends per optimizer step: {mesh dim: {collective: bytes}}. With tp, ep
     or cp > 1, `tokens` (micro-batch x seq_len, whole sequences) sizes the activations they
     move. Under expert parallel the expert weights are gathered and reduced over expert_shard
-    (dp_shard / ep). Under context parallel FSDP's group is dp_shard x cp ("dp_shard")."""
+    (dp_shard / ep). Under context parallel FSDP's group is dp_shard x cp ("dp_shard").
+    `muon_dtype`: optim.muon.ns_dtype under optim.name="muon" (None: AdamW)."""
     units = shape.units
     tokens //= cp  # each cp rank holds 1/cp of every sequence
     s, r, e = dp_shard * cp, dp_replicate, dp_shard // ep
@@ -345,7 +365,25 @@ def plan_communication(
         comm["cp"] = _cp_communication(
             shape, cp, tokens, param_dtype, ac_mode, ac_every, grad_accum_steps, tp
         )
+    if muon_dtype is not None and (s == 1 or tp == 1):  # split over one mesh dim at most
+        dim, n = ("tp", tp) if tp > 1 else ("dp_shard", s)
+        comm[dim]["all_to_all"] = sum(
+            2 * (n - 1) / n**2 * len(matrices) * math.prod(shape_) * BYTES[muon_dtype]
+            for shape_, matrices in muon_buckets(shape).items()
+        )
     return comm
+
+
+def muon_buckets(shape: ModelShape) -> dict[tuple[int, ...], list[int]]:
+    """Muon's dense matrices that train, by shape (the buckets of parallel/muon.py), as the
+    indices of their blocks."""
+    buckets: dict[tuple[int, ...], list[int]] = {}
+    for i, u in enumerate(shape.units[:-1]):
+        for s, m, t, e in zip(u.shapes, u.muon or (False,) * len(u.shapes), u._trains(),
+                              u.expert or (False,) * len(u.shapes), strict=True):  # fmt: skip
+            if m and t and not e:
+                buckets.setdefault(s, []).append(i)
+    return buckets
 
 
 def _cp_communication(
@@ -490,6 +528,7 @@ def plan_memory(
     ep: int = 1,
     cp: int = 1,
     loss_chunk_tokens: int = 0,
+    muon_dtype: str | None = None,
 ) -> dict[str, float]:
     """Bytes per rank: the sharded fp32 training state, gathered parameters and activations.
     `seq_len` is the whole sequence; under context parallel a rank holds 1/cp of it and the
@@ -499,7 +538,9 @@ def plan_memory(
     float32, sharded over dp_shard (HSDP replicas each hold their shard group's state) and,
     for the weights tensor parallel splits, over tp; expert weights under expert parallel
     over ep x expert_shard, the same ranks. Gradients and moments exist only for the
-    parameters that train. A gathered block holds its n_experts / ep experts.
+    parameters that train. A gathered block holds its n_experts / ep experts. `muon_dtype`
+    (optim.name="muon"): Muon's matrices hold one float32 momentum buffer instead, and the
+    owners their whole matrices (`muon_owner`, module docstring).
     """
     units = shape.units
     dp_shard *= cp  # FSDP's group: dp_shard x cp (parallel/runtime.py dp_mesh)
@@ -516,10 +557,23 @@ def plan_memory(
     gathered_blocks = max(kept, min(2, n_blocks))
     # A chunked loss (train.loss_chunk_tokens, parallel/loss.py) holds one chunk's logits.
     logits = min(tokens, loss_chunk_tokens or tokens) * shape.vocab_size / tp
-    return {
+    optimizer = 8 * trained + 4 * n_tensors
+    owner = 0.0
+    if muon_dtype is not None:
+        muon = sum(u.shard_numel(dp_shard, tp=tp, trainable_only=True, ep=ep, muon=True)
+                   for u in units)  # fmt: skip
+        n_muon = sum(sum(m and t for m, t in zip(u.muon, u._trains(), strict=True))
+                     for u in units if u.muon)  # fmt: skip
+        optimizer -= 4 * muon + 4 * n_muon  # one buffer, no second moment and no step
+        # Unsplit (one rank per group), each matrix is orthogonalized on its own.
+        n = tp if tp > 1 else dp_shard
+        held = [(math.ceil(len(m) / n) if n > 1 else 1) * math.prod(s)
+                for s, m in muon_buckets(shape).items()]  # fmt: skip
+        owner = 2 * max(held, default=0) * BYTES[muon_dtype]
+    mem = {
         "params": 4 * shard,
         "grads": 4 * trained,
-        "optimizer": 8 * trained + 4 * n_tensors,
+        "optimizer": optimizer,
         "gathered_params": (root + gathered_blocks * block) * pbytes,
         "activations": activation_bytes(
             shape, tokens, param_dtype, ac_mode, ac_every, tp=tp, cp=cp
@@ -530,3 +584,4 @@ def plan_memory(
         # tp each rank holds its vocabulary slice only (loss parallel, never compiled).
         "logits": logits * (2 * pbytes if compiled_loss else pbytes + 12),
     }
+    return mem | ({"muon_owner": owner} if muon_dtype is not None else {})

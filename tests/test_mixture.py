@@ -199,6 +199,6 @@ def test_mixture_resumes_on_another_world_size_anneals_and_logs(
     # Which sources a mixture reads, and where, is fixed like data.path.
     renamed = mixture({"a": sources["a"], "c": sources["b"]}, {"a": 0.75, "c": 0.25})
     error = config_error([*common, *renamed, *resume, "--run.name=other"], caplog)
-    assert "a resume cannot change the model, what trains or the data stream" in error
+    assert "a resume cannot change the model, what trains, the optimizer or the data" in error
     assert f"data.sources.b.path: '{sources['b']}' -> None" in error
     assert f"data.sources.c.path: None -> '{sources['b']}'" in error

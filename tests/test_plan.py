@@ -119,6 +119,10 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
                 size = dist.get_world_size(group)
                 key = (dim_of(group), collective)
                 sent[key] = sent.get(key, 0) + RING[collective](_local_bytes(inp), size)
+                if collective == "all_to_all":  # Muon's owners: the largest bucket received
+                    out = kwargs.get("output", args[0] if args else None)
+                    peak = (key[0], "largest_output")
+                    sent[peak] = max(sent.get(peak, 0), _local_bytes(out))
             active[0] = True
             try:
                 return originals[name](*args, **kwargs)
@@ -192,6 +196,11 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
             id="hsdp-ep2-full-ac",
             marks=pytest.mark.slow,
         ),  # fmt: skip
+        # Muon: each bucket of same-shaped matrices to its owners and back, two all-to-alls.
+        pytest.param(1, ["--optim.name=muon"], id="fsdp-muon", marks=pytest.mark.slow),
+        pytest.param(
+            2, ["--optim.name=muon", "--model.n_layers=3"], id="hsdp-muon", marks=pytest.mark.slow
+        ),  # fmt: skip
         # Context parallel: FSDP over dp_shard 2 x cp 2, K/V all-gathered in every layer
         # (global batch 4: 2 micro-batches on the 2 dp ranks, as in the other cases).
         pytest.param(
@@ -237,10 +246,12 @@ def test_planner_matches_instrumented_collectives(
     shape = model_shape(family, family.build_args(job.model), job.fp8, job.lora, job.train.freeze)
     p = job.parallel
     rep, shard = nodes, 4 // nodes // p.cp
+    muon = job.optim.muon.ns_dtype if job.optim.name == "muon" else None
     planned = plan_communication(
         shape, rep, shard, p.param_dtype, p.reduce_dtype,
         reshard_after_forward=p.reshard_after_forward, grad_accum_steps=2,
         tokens=job.data.seq_len, ac_mode=job.ac.mode, ac_every=job.ac.every, ep=p.ep, cp=p.cp,
+        muon_dtype=muon,
     )  # fmt: skip
     for dim, collectives in planned.items():
         for collective, expected in collectives.items():
@@ -249,7 +260,11 @@ def test_planner_matches_instrumented_collectives(
                 measured = [sum(measured) / len(measured)]
             for value in measured:
                 assert value == pytest.approx(expected, rel=0.01), (dim, collective, results)
-    mem = plan_memory(shape, shard, 1, job.data.seq_len, p.param_dtype, ep=p.ep, cp=p.cp)
+    mem = plan_memory(shape, shard, 1, job.data.seq_len, p.param_dtype, ep=p.ep, cp=p.cp,
+                      muon_dtype=muon)  # fmt: skip
+    if muon is not None:  # received whole, then orthogonalized: twice the largest receipt
+        largest = max(r["sent"][("dp_shard", "largest_output")] for r in results)
+        assert 2 * largest == pytest.approx(mem["muon_owner"], rel=0.01)
     for result in results:
         for key, measured in result["state"].items():
             assert measured == pytest.approx(mem[key], rel=0.10), (key, result["state"], mem)
