@@ -197,7 +197,6 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
             marks=pytest.mark.slow,
         ),  # fmt: skip
         # Muon: each bucket of same-shaped matrices to its owners and back, two all-to-alls.
-        pytest.param(1, ["--optim.name=muon"], id="fsdp-muon", marks=pytest.mark.slow),
         pytest.param(
             2, ["--optim.name=muon", "--model.n_layers=3"], id="hsdp-muon", marks=pytest.mark.slow
         ),  # fmt: skip
