@@ -229,6 +229,7 @@ GREW = re.compile(
 
 
 @pytest.mark.slow
+@pytest.mark.drill
 def test_a_node_that_joins_then_dies_whole(tiny_dataset: str, tmp_path: Path) -> None:
     """Growing back, then a node lost whole. A starts alone (world 2); B joins: torchrun
     restarts A's workers to admit it (they save the step in flight) and the run goes on as

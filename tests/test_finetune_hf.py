@@ -38,6 +38,7 @@ def checkout_copy(where: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.drill
 def test_documented_fine_tuning_runs_as_written(tmp_path: Path) -> None:
     """Every command of the section succeeds; on held-out sums each fine-tuned model's loss is
     at least 3 below its random base model's (measured: ~7.1 -> 1.2-1.9); and each export gives

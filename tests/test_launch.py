@@ -755,6 +755,7 @@ def test_sbatch_deterministic_failures_end_the_job_at_once(
 
 
 @pytest.mark.slow
+@pytest.mark.drill
 def test_sbatch_stop_signals_save_the_step_in_flight_and_usr1_requeues(
     slurm: Path, tiny_dataset: str, tmp_path: Path
 ) -> None:

@@ -91,6 +91,7 @@ def walkthrough_commands() -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.drill
 def test_data_walkthrough_runs_as_written(tmp_path: Path) -> None:
     pytest.importorskip("pyarrow")
     # The user's working copy (the commands run from the repo root), without the outputs,
