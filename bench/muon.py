@@ -3,14 +3,16 @@ several seeds; and Muon's step-time overhead over AdamW on 1 and 4 ranks.
 
     python bench/muon.py                     # ~30 minutes on an idle 2-core machine
     python bench/muon.py --parts quality --steps 150 --seeds 0 1 2
+    python bench/muon.py --parts quality --size 100m --lrs 3e-4 1e-3 --muon-lrs 3e-3 1e-2
     python bench/muon.py --quick             # harness smoke: a few steps of each (~3 min)
 
-Quality: the debug model (configs/debug.toml's shape: dim 256, 6 layers, vocab 512, fp32) on
-one process, 8 x 256 tokens a step of the stdlib corpus (`python -m data.prepare`), warm-up
-then cosine to 0.1x, loss/val (4 batches) at the last step. AdamW's lr is swept first; Muon
-(adjust_lr_fn='match_rms_adamw', weight decay 0.1 on both, as Moonlight) is swept with
-AdamW's best lr for the parameters it leaves to AdamW. The best lr of each then runs the other
-seeds. Overhead: the throughput benchmark's debug case (16 x 256 tokens a step) with AdamW
+Quality: the debug model (configs/debug.toml's shape: dim 256, 6 layers, vocab 512, fp32) or,
+with --size 100m, a 99.9M one (dim 768, 14 layers) on one process, 8 x 256 tokens a step of
+the stdlib corpus (`python -m data.prepare`), warm-up then cosine to 0.1x, loss/val (4
+batches) at the last step. AdamW's lr is swept first; Muon (adjust_lr_fn='match_rms_adamw',
+weight decay 0.1 on both, as Moonlight) is swept with AdamW's best lr for the parameters it
+leaves to AdamW. The best lr of each then runs the other seeds.
+Overhead: the throughput benchmark's debug case (16 x 256 tokens a step) with AdamW
 and with Muon, alternated, on 1 and 4 gloo ranks; median seconds per step after warm-up.
 Step: optimizer.step() alone on one process, the same model with random gradients, AdamW
 and Muon alternated (what Muon adds to a step, free of the forward and backward's noise).
@@ -36,7 +38,12 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 from throughput import DEBUG, Schedule, machine_facts, run_once, torchrun  # noqa: E402
 
 MODEL = ["--model.flavor=debug", "--model.vocab_size=512", "--parallel.param_dtype=float32"]
-QUALITY = [*MODEL, "--data.seq_len=256", "--train.global_batch_size=8",
+# The quality runs' shapes: the debug model (5M parameters) and a ~100M one (dim 768, 14
+# layers: 99.9M parameters at vocab 512), the size the issue asked for and the smallest at
+# which published Muon comparisons start.
+SIZES = {"debug": MODEL, "100m": [*MODEL, "--model.dim=768", "--model.n_layers=14",
+                                  "--model.n_heads=12", "--model.n_kv_heads=12"]}  # fmt: skip
+QUALITY = ["--data.seq_len=256", "--train.global_batch_size=8",
            "--train.micro_batch_size=8", "--train.eval_batches=4", "--metrics.tensorboard=false",
            "--checkpoint.interval=0", "--checkpoint.resume=none"]  # fmt: skip
 MUON = ["--optim.name=muon", "--optim.muon.adjust_lr_fn=match_rms_adamw"]
@@ -50,8 +57,8 @@ VAL_RE = re.compile(r"\bval_loss ([\d.]+)")
 def quality_run(label: str, args: list[str], opts: Namespace) -> float:
     """One training process; its last validation loss."""
     run_dir = opts.out.parent / "runs"
-    cmd = [sys.executable, "train.py", f"--data.path={opts.data}", *QUALITY, *args,
-           f"--train.steps={opts.steps}", f"--optim.warmup_steps={max(1, opts.steps // 10)}",
+    cmd = [sys.executable, "train.py", f"--data.path={opts.data}", *SIZES[opts.size], *QUALITY,
+           *args, f"--train.steps={opts.steps}", f"--optim.warmup_steps={max(1, opts.steps // 10)}",
            f"--train.eval_interval={opts.steps}", f"--metrics.log_interval={opts.steps}",
            f"--run.output_dir={run_dir}", f"--run.name={label}"]  # fmt: skip
     start = time.perf_counter()
@@ -72,7 +79,7 @@ def quality(opts: Namespace) -> dict:
     for lr in opts.lrs:
         sweep["adamw"][lr] = quality_run(f"adamw-lr{lr:g}-s0", [f"--optim.lr={lr}"], opts)
     adamw_lr = min(sweep["adamw"], key=sweep["adamw"].__getitem__)
-    for lr in opts.lrs:
+    for lr in opts.muon_lrs or opts.lrs:
         args = [
             *MUON,
             f"--optim.lr={adamw_lr}",
@@ -183,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=150, help="quality runs' train.steps")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--lrs", type=float, nargs="+", default=LRS)
+    p.add_argument("--muon-lrs", type=float, nargs="+", help="Muon's grid (default: --lrs)")
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 4])
     p.add_argument("--rounds", type=int, default=2, help="overhead: alternations per world")
     p.add_argument("--overhead-steps", type=int, default=12, help="overhead runs' train.steps")
+    p.add_argument("--size", choices=SIZES, default="debug", help="quality runs' model")
     p.add_argument("--muon-ns-dtype", default="bfloat16", help="quality runs' ns_dtype")
     p.add_argument("--threads", type=int, default=2, help="threads in all (split over ranks)")
     p.add_argument("--data", default=str(REPO / "outputs/data/stdlib"))
@@ -193,10 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke: 4 steps, one lr and seed")
     opts = p.parse_args(argv)
     if opts.quick:
-        opts.steps, opts.seeds, opts.lrs, opts.rounds = 4, [0], [1e-3], 1
+        opts.steps, opts.seeds, opts.lrs, opts.muon_lrs, opts.rounds = 4, [0], [1e-3], None, 1
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.commands = {}
-    report: dict = {"machine": machine_facts(), "steps": opts.steps}
+    report: dict = {"machine": machine_facts(), "steps": opts.steps, "size": opts.size}
     if "quality" in opts.parts:
         report["quality"] = quality(opts)
     if "overhead" in opts.parts:
