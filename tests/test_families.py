@@ -479,10 +479,18 @@ def scalars(run_dir: Path) -> dict[str, list[float]]:
 
 
 def train_run(
-    dataset: str, out: Path, family: str, name: str, world: int, *extra: str, nodes: int = 1
+    dataset: str,
+    out: Path,
+    family: str,
+    name: str,
+    world: int,
+    *extra: str,
+    nodes: int = 1,
+    steps: int = STEPS,
 ) -> dict[str, list[float]]:
-    """STEPS steps on `world` ranks, TensorBoard every step: the losses and rank 0's scalars."""
-    args = run_argv(dataset, out, family, name, f"--train.steps={STEPS}",
+    """`steps` steps on `world` ranks (`nodes` of them: dp_replicate), TensorBoard every step:
+    the losses and rank 0's scalars."""
+    args = run_argv(dataset, out, family, name, f"--train.steps={steps}",
                     "--metrics.tensorboard=true", "--metrics.log_interval=1", *extra)  # fmt: skip
     if nodes > 1:
         args.append(f"--parallel.dp_replicate={nodes}")

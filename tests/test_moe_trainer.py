@@ -20,32 +20,24 @@ from launch.job import JobConfig
 from model import FAMILIES
 from model.qwen3_moe import build_args
 from tests.distributed import run_distributed
-from tests.test_families import RUN_SHAPE, assert_same_run, scalars
-from tests.test_train import FP32, TINY, train_losses
+from tests.test_families import RUN_SHAPE, STEPS, assert_same_run, run_argv, train_run
+from tests.test_train import TINY, train_losses
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-# tests/test_train.py's tiny shape with 4 experts of hidden 32, top 2, both aux losses on, as in
-# tests/test_families.py.
 MOE = ["--model.name=qwen3_moe", *RUN_SHAPE["qwen3_moe"]]
-STEPS = 6
 
 
 def argv(dataset: str, out: Path, name: str, *extra: str) -> list[str]:
-    """Global batch 8 in micro-batches of 2: 4 of them per step on one data-parallel rank."""
-    return [f"--data.path={dataset}", f"--run.output_dir={out}", f"--run.name={name}", *TINY,
-            *MOE, *FP32, "--train.micro_batch_size=2", f"--train.steps={STEPS}",
-            "--metrics.tensorboard=true", "--metrics.log_interval=1", *extra]  # fmt: skip
+    """tests/test_families.py's tiny qwen3_moe run (4 experts of hidden 32, top 2, both aux
+    losses on): global batch 8 in micro-batches of 2, 4 of them per data-parallel rank."""
+    return run_argv(dataset, out, "qwen3_moe", name, f"--train.steps={STEPS}", *extra)
 
 
 def train(dataset: str, out: Path, name: str, world: int, *extra: str, nodes: int = 1) -> dict:
-    """Train on `world` ranks; the losses and rank 0's TensorBoard scalars."""
-    args = argv(dataset, out, name, *extra)
-    if nodes > 1:
-        args.append(f"--parallel.dp_replicate={nodes}")
-    losses = run_distributed(train_losses, world, args, nodes=nodes)[0]
-    return {"losses": losses} | scalars(out / name)
+    """tests/test_families.py's run of qwen3_moe on `world` ranks: losses and scalars."""
+    return train_run(dataset, out, "qwen3_moe", name, world, *extra, nodes=nodes)
 
 
 @pytest.mark.slow

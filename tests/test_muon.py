@@ -14,8 +14,8 @@ from configs import ConfigError, parse_config
 from launch.job import JobConfig
 from parallel.muon import Muon, MuonConfig, muon_groups, muon_parameters
 from tests.distributed import run_distributed
-from tests.test_families import RUN_SHAPE, assert_same_run, scalars
-from tests.test_train import FP32, TINY, train_losses
+from tests.test_families import assert_same_run, run_argv, train_run
+from tests.test_train import TINY, train_losses
 
 # Keller Jordan's lr rule at his lr; Newton-Schulz in float32 for the 1e-5 parity (in bfloat16,
 # torch's, a last-bit difference of a gradient can round differently: 4e-5 on the EP run).
@@ -183,19 +183,21 @@ def test_cross_section_settings(tiny_dataset: str) -> None:
 
 
 def argv(dataset: str, out: Path, name: str, *extra: str) -> list[str]:
-    """tests/test_train.py's tiny Llama in fp32, 2 sequences per micro-batch, with Muon."""
-    return [f"--data.path={dataset}", f"--run.output_dir={out}", f"--run.name={name}", *TINY,
-            *FP32, *MUON, "--train.micro_batch_size=2", f"--train.steps={STEPS}",
-            "--metrics.tensorboard=true", "--metrics.log_interval=1", *extra]  # fmt: skip
+    """tests/test_families.py's tiny Llama run, with Muon."""
+    return run_argv(dataset, out, "llama3", name, *MUON, f"--train.steps={STEPS}", *extra)
 
 
-def train(dataset: str, out: Path, name: str, world: int, *extra: str, nodes: int = 1) -> dict:
-    """Train on `world` ranks (`nodes` of them: dp_replicate); losses and TensorBoard scalars."""
-    args = argv(dataset, out, name, *extra)
-    if nodes > 1:
-        args.append(f"--parallel.dp_replicate={nodes}")
-    losses = run_distributed(train_losses, world, args, nodes=nodes)[0]
-    return {"losses": losses} | scalars(out / name)
+def train(
+    dataset: str,
+    out: Path,
+    name: str,
+    world: int,
+    *extra: str,
+    nodes: int = 1,
+    family: str = "llama3",
+) -> dict:
+    """The Muon run on `world` ranks: the losses and rank 0's TensorBoard scalars."""
+    return train_run(dataset, out, family, name, world, *MUON, *extra, nodes=nodes, steps=STEPS)
 
 
 @pytest.mark.slow
@@ -210,15 +212,13 @@ def test_every_mesh_is_the_one_process_run(tiny_dataset: str, tmp_path: Path) ->
     assert_same_run(train(tiny_dataset, tmp_path, "fsdp-tp", 4, "--parallel.tp=2"), one)
 
 
-MOE = ["--model.name=qwen3_moe", *RUN_SHAPE["qwen3_moe"]]
-
-
 @pytest.mark.slow
 def test_expert_parallel_moe_is_the_one_process_run(tiny_dataset: str, tmp_path: Path) -> None:
     """qwen3_moe with EP 2 on 2 ranks: each expert's matrix orthogonalized on its own, on the
     rank that holds it; the 1-process losses, grad norms and aux losses within 1e-5."""
-    one = train(tiny_dataset, tmp_path, "one", 1, *MOE)
-    assert_same_run(train(tiny_dataset, tmp_path, "ep", 2, *MOE, "--parallel.ep=2"), one)
+    one = train(tiny_dataset, tmp_path, "one", 1, family="qwen3_moe")
+    ep = train(tiny_dataset, tmp_path, "ep", 2, "--parallel.ep=2", family="qwen3_moe")
+    assert_same_run(ep, one)
 
 
 # ---- checkpoints ----------------------------------------------------------------------------
