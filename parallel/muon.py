@@ -14,9 +14,10 @@ the orthogonalization each matrix is made whole on one rank of its sharding grou
 (`orthogonalize`):
 
 - matrices split along one dim over one mesh dim (FSDP, HSDP, tp alone): the same-shaped ones
-  of a parameter group (every block's `wq` and `wo`, ...) form a bucket; matrix k goes to rank
-  k mod N (round-robin) in one all-to-all for the bucket, the owner runs Newton-Schulz, and a
-  second all-to-all returns every rank its part of every result;
+  of a parameter group (every block's `wq` and `wo`, ...) form a bucket; the matrices go
+  round-robin to their owners (continued from bucket to bucket) in one all-to-all for the
+  bucket, each owner runs Newton-Schulz on its own, and a second all-to-all returns every
+  rank its part of every result;
 - an MoE expert stack (experts, out, in) split by expert (FSDP's Shard(0), expert parallel):
   each rank holds whole experts already and orthogonalizes each on its own, with no traffic;
 - any other layout (FSDP x tp: split over two mesh dims) is stacked into one DTensor and
@@ -155,12 +156,14 @@ def orthogonalize(
             out[i] = result if u.ndim == 3 else result[0]
             continue
         buckets.setdefault((tuple(u.shape), u.device_mesh, tuple(u.placements)), []).append(i)
+    first_owner = 0  # round-robin continues across buckets, so no rank owns every first one
     for indices in buckets.values():
         bucket = [updates[i] for i in indices]
         split = _split_dims(bucket[0])
         one_dim = len(split) == 1 and type(bucket[0].placements[split[0][0]]) is Shard
         if bucket[0].ndim == 2 and one_dim:
-            parts = _exchange(bucket, split[0], steps, coefficients, dtype)
+            parts = _exchange(bucket, split[0], steps, coefficients, dtype, first_owner)
+            first_owner += len(bucket)
         else:
             parts = _redistribute(bucket, steps, coefficients, dtype)
         for i, part in zip(indices, parts, strict=True):
@@ -190,10 +193,12 @@ def _exchange(
     steps: int,
     coefficients: tuple[float, ...],
     dtype: torch.dtype,
+    first_owner: int = 0,
 ) -> list[torch.Tensor]:
-    """Matrices split along `dim` over one mesh dim: matrix k goes whole to rank k % N of that
-    group (round-robin), in one all-to-all for the bucket; each rank orthogonalizes its own,
-    and a second all-to-all returns to every rank its part of every result."""
+    """Matrices split along `dim` over one mesh dim: matrix k goes whole to rank
+    (first_owner + k) % N of that group (round-robin), in one all-to-all for the bucket; each
+    rank orthogonalizes its own, and a second all-to-all returns to every rank its part of
+    every result."""
     mesh_dim, dim = split
     group = updates[0].device_mesh.get_group(mesh_dim)
     n, me = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
@@ -201,7 +206,7 @@ def _exchange(
     total, other = updates[0].shape[dim], updates[0].shape[1 - dim]
     sizes = ([len(c) for c in torch.arange(total).chunk(n)] + [0] * n)[:n]
     local = torch.stack([u.to_local().to(dtype) for u in updates])  # (K, my part)
-    owned = [list(range(j, len(updates), n)) for j in range(n)]  # each owner's matrices
+    owned = owned_matrices(len(updates), n, first_owner)
     mine = len(owned[me])
     to_owners = [len(owned[j]) * sizes[me] * other for j in range(n)]  # my parts of theirs
     from_ranks = [mine * sizes[j] * other for j in range(n)]  # their parts of mine
@@ -222,6 +227,12 @@ def _exchange(
     for j, piece in enumerate(back.split(to_owners)):
         ours[owned[j]] = part(piece, len(owned[j]), sizes[me])
     return list(ours.unbind(0))
+
+
+def owned_matrices(count: int, n: int, first_owner: int = 0) -> list[list[int]]:
+    """Round-robin owners of a bucket of `count` matrices over `n` ranks, the first one on rank
+    `first_owner`: the indices each rank owns."""
+    return [list(range((j - first_owner) % n, count, n)) for j in range(n)]
 
 
 def _redistribute(

@@ -12,7 +12,7 @@ import torch
 
 from configs import ConfigError, parse_config
 from launch.job import JobConfig
-from parallel.muon import Muon, MuonConfig, muon_groups, muon_parameters
+from parallel.muon import Muon, MuonConfig, muon_groups, muon_parameters, owned_matrices
 from tests.distributed import run_distributed
 from tests.test_families import assert_same_run, run_argv, train_run
 from tests.test_train import TINY, train_losses
@@ -198,6 +198,20 @@ def train(
 ) -> dict:
     """The Muon run on `world` ranks: the losses and rank 0's TensorBoard scalars."""
     return train_run(dataset, out, family, name, world, *MUON, *extra, nodes=nodes, steps=STEPS)
+
+
+def test_owners_take_turns_across_buckets() -> None:
+    """Round-robin owners carry over from bucket to bucket: over buckets of 3 matrices on 2
+    ranks, neither rank owns every bucket's extra matrix."""
+    assert owned_matrices(3, 2) == [[0, 2], [1]]
+    assert owned_matrices(3, 2, first_owner=3) == [[1], [0, 2]]
+    owned = [0, 0]
+    first = 0
+    for count in (3, 3, 1, 3):
+        for rank, indices in enumerate(owned_matrices(count, 2, first)):
+            owned[rank] += len(indices)
+        first += count
+    assert owned == [5, 5]
 
 
 @pytest.mark.slow
