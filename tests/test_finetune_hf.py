@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,8 @@ def test_documented_fine_tuning_runs_as_written(tmp_path: Path) -> None:
 
     cwd = checkout_copy(tmp_path / "checkout")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # nothing may come from the network
+    # `python` is this environment's, as in the user's activated venv.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     script = "set -euo pipefail\n" + documented_commands()
     # A guard against a hang, not a speed target: 140-280 s measured on 2 cores, and past 400 s
     # while other test suites shared the cores.

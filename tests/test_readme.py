@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,9 @@ def test_data_walkthrough_runs_as_written(tmp_path: Path) -> None:
     shutil.copytree(ROOT, repo, ignore=skip)
     env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "OMP_NUM_THREADS")}
     env["PYTHONPATH"] = str(repo)  # `python -m data...` imports this copy, as an editable install
+    # `python` and `torchrun` are this environment's, as in the user's activated venv, also
+    # when pytest runs as .venv/bin/python without activating it.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     runs = []
     for command in walkthrough_commands():
         if command.startswith("pip install"):
