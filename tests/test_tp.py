@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from configs import ConfigError
+from launch.job import JobConfig
 from parallel.dims import LaunchEnv, ParallelConfig, resolve_dims
 from tests.distributed import run_distributed
 from tests.test_train import FP32, assert_close, run, train_losses
@@ -303,24 +304,44 @@ def tp_instrumented_step(argv: list[str]) -> dict:
     return result | {"tp_sent": sent}
 
 
+def measured_tp_step(dataset: str, out: Path, *extra: str) -> tuple[list[dict], JobConfig, object]:
+    """One instrumented step of 2 micro-batches of the tiny Llama with tp 2 on 4 ranks: each
+    rank's measured bytes and state, the job, and the model's shape for the planner."""
+    from configs import parse_config
+    from model import get_family
+    from parallel.plan import model_shape
+    from tests.test_train import TINY
+
+    argv = [f"--data.path={dataset}", f"--run.output_dir={out}", *TINY, "--train.steps=1",
+            "--train.micro_batch_size=2", "--parallel.tp=2", *extra]  # fmt: skip
+    results = run_distributed(tp_instrumented_step, 4, argv)
+    job = parse_config(JobConfig, argv)
+    family = get_family(job.model.name)
+    return results, job, model_shape(family, family.build_args(job.model))
+
+
+def assert_as_planned(result: dict, planned: dict, mem: dict, dims: tuple[str, ...]) -> None:
+    """One rank's bytes on `dims` and tp's gathers and reduce-scatters within 1% of the
+    planner's, its sharded state within 10%."""
+    for dim in dims:
+        for collective, expected in planned[dim].items():
+            measured = result["sent"].get((dim, collective), 0)
+            assert measured == pytest.approx(expected, rel=0.01), (dim, collective, result)
+    for collective in ("all_gather", "reduce_scatter"):
+        expected, measured = planned["tp"][collective], result["tp_sent"].get(collective, 0)
+        assert measured == pytest.approx(expected, rel=0.01), (collective, result["tp_sent"])
+    for key, measured in result["state"].items():
+        assert measured == pytest.approx(mem[key], rel=0.10), (key, result["state"], mem)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_planner_matches_measured_tp_bytes(tiny_dataset: str, tmp_path: Path, ac: str) -> None:
     """(dp_shard 2, tp 2), one step of 2 micro-batches: the FSDP bytes per dim, the TP
     activation bytes and the sharded state per rank as the planner says."""
-    from configs import parse_config
-    from launch.job import JobConfig
-    from model import get_family
-    from parallel.plan import model_shape, plan_communication, plan_memory
-    from tests.test_train import TINY
+    from parallel.plan import plan_communication, plan_memory
 
-    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
-            "--train.steps=1", "--train.micro_batch_size=2", "--parallel.tp=2",
-            f"--ac.mode={ac}"]  # fmt: skip
-    results = run_distributed(tp_instrumented_step, 4, argv)
-    job = parse_config(JobConfig, argv)
-    family = get_family(job.model.name)
-    shape = model_shape(family, family.build_args(job.model))
+    results, job, shape = measured_tp_step(tiny_dataset, tmp_path, f"--ac.mode={ac}")
     p, tokens = job.parallel, 2 * job.data.seq_len
     planned = plan_communication(
         shape, 1, 2, p.param_dtype, p.reduce_dtype, grad_accum_steps=2, tp=2, tokens=tokens,
@@ -328,38 +349,22 @@ def test_planner_matches_measured_tp_bytes(tiny_dataset: str, tmp_path: Path, ac
     )  # fmt: skip
     mem = plan_memory(shape, 2, 2, job.data.seq_len, p.param_dtype, tp=2)
     for result in results:
-        for dim in ("dp_shard", "dp_replicate"):
-            for collective, expected in planned[dim].items():
-                measured = result["sent"].get((dim, collective), 0)
-                assert measured == pytest.approx(expected, rel=0.01), (dim, collective, result)
-        for collective in ("all_gather", "reduce_scatter"):
-            expected, measured = planned["tp"][collective], result["tp_sent"].get(collective, 0)
-            assert measured == pytest.approx(expected, rel=0.01), (collective, result["tp_sent"])
+        assert_as_planned(result, planned, mem, ("dp_shard", "dp_replicate"))
         # Besides the loss's per-token floats, only the norm gains' gradients (and the grad
         # norm) are all-reduced over tp: no activations, no gathered logits.
         loss_bytes, other = planned["tp"]["all_reduce"], result["tp_sent"].get("all_reduce", 0)
         assert loss_bytes <= other < loss_bytes + 0.05 * planned["tp"]["reduce_scatter"]
-        for key, measured in result["state"].items():
-            assert measured == pytest.approx(mem[key], rel=0.10), (key, result["state"], mem)
 
 
 @pytest.mark.slow
 def test_planner_matches_measured_tp_cp_bytes(tiny_dataset: str, tmp_path: Path) -> None:
     """(cp 2, tp 2) on 4 ranks, one step of 2 micro-batches: FSDP over dp_shard x cp, the TP
     activation bytes of half sequences and the K/V gathers of half the heads, as planned."""
-    from configs import parse_config
-    from launch.job import JobConfig
-    from model import get_family
-    from parallel.plan import model_shape, plan_communication, plan_memory
-    from tests.test_train import TINY
+    from parallel.plan import plan_communication, plan_memory
 
-    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
-            "--train.steps=1", "--train.micro_batch_size=2", "--train.global_batch_size=4",
-            "--parallel.tp=2", "--parallel.cp=2"]  # fmt: skip
-    results = run_distributed(tp_instrumented_step, 4, argv)
-    job = parse_config(JobConfig, argv)
-    family = get_family(job.model.name)
-    shape = model_shape(family, family.build_args(job.model))
+    results, job, shape = measured_tp_step(
+        tiny_dataset, tmp_path, "--train.global_batch_size=4", "--parallel.cp=2"
+    )
     p, tokens = job.parallel, 2 * job.data.seq_len
     planned = plan_communication(
         shape, 1, 1, p.param_dtype, p.reduce_dtype, grad_accum_steps=2, tp=2, tokens=tokens, cp=2
@@ -367,12 +372,4 @@ def test_planner_matches_measured_tp_cp_bytes(tiny_dataset: str, tmp_path: Path)
     assert planned["cp"]["all_gather"] > 0 and planned["tp"]["all_gather"] > 0
     mem = plan_memory(shape, 1, 2, job.data.seq_len, p.param_dtype, tp=2, cp=2)
     for result in results:
-        for dim in ("dp_shard", "cp"):
-            for collective, expected in planned[dim].items():
-                measured = result["sent"].get((dim, collective), 0)
-                assert measured == pytest.approx(expected, rel=0.01), (dim, collective, result)
-        for collective in ("all_gather", "reduce_scatter"):
-            expected, measured = planned["tp"][collective], result["tp_sent"].get(collective, 0)
-            assert measured == pytest.approx(expected, rel=0.01), (collective, result["tp_sent"])
-        for key, measured in result["state"].items():
-            assert measured == pytest.approx(mem[key], rel=0.10), (key, result["state"], mem)
+        assert_as_planned(result, planned, mem, ("dp_shard", "cp"))
