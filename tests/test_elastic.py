@@ -145,15 +145,6 @@ def children(agent: int, launched: Launched) -> dict[int, int]:
     return {rank: pid for rank, pid in launched.worker_pids().items() if parent(pid) == str(agent)}
 
 
-def end_all(*runs: Launched) -> None:
-    for run in runs:
-        stragglers = run.worker_pids().values()
-        run.kill()
-        for pid in stragglers:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
 def node_env(port: int) -> dict[str, str]:
     return {
         "NNODES": "1:2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NPROC": "2",
@@ -203,7 +194,7 @@ def test_kill_9_of_an_agent_goes_on_as_world_2_with_the_same_global_batch(
             time.sleep(0.1)
         assert not any(alive(pid) for pid in b_ranks.values()), b_ranks
     finally:
-        end_all(both)
+        both.end()
     log = both.text()
     step = int(resumed.group(1))
     assert f"a node's launcher died: step {step} saved" in log, log[-3000:]
@@ -270,7 +261,9 @@ def test_a_node_that_joins_then_dies_whole(tiny_dataset: str, tmp_path: Path) ->
         assert stopped, a.text()[-3000:]
         assert not any(alive(pid) for pid in b_ranks.values()), b_ranks
     finally:
-        end_all(a, *([b] if b else []))
+        a.end()
+        if b:
+            b.end()
     step = int(resumed.group(1))
     assert step % 5 == 0 and 0 <= last_before - step <= 5, (step, last_before)
     assert "a node's launcher died" not in a.text() + b.text()

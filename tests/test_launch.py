@@ -117,6 +117,14 @@ class Launched:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
 
+    def end(self) -> None:
+        """Kill the agents' sessions, then any worker that outlived them."""
+        stragglers = self.worker_pids().values()
+        self.kill()
+        for pid in stragglers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
 
 def alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""
@@ -153,11 +161,7 @@ def launch():
 
     yield Start
     for run in started:
-        stragglers = run.worker_pids().values()
-        run.kill()
-        for pid in stragglers:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        run.end()
 
 
 @pytest.mark.slow
