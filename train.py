@@ -448,8 +448,8 @@ def train_step(
     # gradients are the same for any micro-batching and any mesh shape.
     global_tokens = sum((b.targets != -100).sum() for b in micro_batches).float()
     # Timed (so synchronized, on a GPU) for the straggler meter: how long this rank waits here
-    # is how much later the last rank arrived. The GPU is idle here anyway, between steps.
-    step, timed = run.progress.step + 1, run.job.health.stragglers
+    # is how much later the last rank arrived. One rank has no one to wait for: no sync.
+    step, timed = run.progress.step + 1, run.job.health.stragglers and run.env.world_size > 1
     run.heartbeat.beat(step, "forward")
     started = synchronized_time(global_tokens.device) if timed else 0.0
     dist.all_reduce(global_tokens)

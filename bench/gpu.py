@@ -9,7 +9,17 @@
     python bench/gpu.py --suite moe     # 4 layers of Qwen3-30B-A3B, grouped GEMM: eager, compile
     python bench/gpu.py --suite cp      # 2+ GPUs: 1B at 32k and 64k, cp = GPUs, chunked loss
     python bench/gpu.py --suite muon    # 1B at 8k: AdamW vs Muon (bf16 and fp32 Newton-Schulz)
+    python bench/gpu.py --suite loss    # 1B at 8k, vocab 128,256: the whole loss vs chunks of 4096
+    python bench/gpu.py --suite lora-fp8    # 1B LoRA rank 16 at vocab 2048: bf16 vs fp8
+    python bench/gpu.py --suite documents loss --cases 'causal|chunked' --budget-s 300
     python bench/gpu.py --smoke         # the debug model on any device: checks the harness only
+
+Several suites run in the order given. `--cases REGEX` keeps the cases whose "suite: case" name
+it matches. A case whose command (less its run name) equals one already run in this invocation
+is not run again: its row repeats that result (several suites share the 1B compiled baseline).
+Each case runs under a time limit (`--case-timeout`), and `--budget-s` bounds the whole
+command: a case that would start with less than `--min-case-s` left is skipped, so a lease's
+one call ends in time with every finished case's numbers.
 
 `--profile` has each case profile its last step with the trainer's own
 `--metrics.profile_step` and prints where that step's time went, from the Chrome trace the
@@ -59,6 +69,7 @@ COMPILE = ["--compile.enabled=true"]
 HALF_1B = "tok_embeddings.*,layers.[0-5].*"
 FP8 = ["--fp8.enabled=true"]
 CHUNKED_LOSS = ["--train.loss_chunk_tokens=4096"]
+LORA_16 = ["--lora.enabled=true", "--lora.rank=16"]
 SUITES = {
     # Issue "scale and speed": target >= 45% MFU for bf16 + compile.
     "1b": {
@@ -110,7 +121,7 @@ SUITES = {
         "cases": {
             "bf16 compile full": COMPILE,
             "bf16 compile half frozen": [*COMPILE, f"--train.freeze={HALF_1B}"],
-            "bf16 compile lora 16": [*COMPILE, "--lora.enabled=true", "--lora.rank=16"],
+            "bf16 compile lora 16": [*COMPILE, *LORA_16],
         },
     },
     # Issue #20 (mixture of experts): Qwen3-30B-A3B's layers (dim 2048, 32 query / 4 kv heads,
@@ -144,6 +155,28 @@ SUITES = {
                 "--optim.muon.ns_dtype=float32",
             ],
         },  # fmt: skip
+    },
+    # Issue #45 (GPU), the chunked loss (`train.loss_chunk_tokens`) at one GPU: the 1B flavor's
+    # own vocabulary of 128,256 at 8k tokens, where the whole loss's logits are 8192 x 128,256
+    # (3.9 GiB in fp32 per copy). Peak memory and tok/s against the whole loss, both compiled.
+    "loss": {
+        "model": ["--model.flavor=1B", *SEQ],
+        "baseline": "bf16 compile whole loss",
+        "cases": {
+            "bf16 compile whole loss": COMPILE,
+            "bf16 compile chunked loss": [*COMPILE, *CHUNKED_LOSS],
+        },
+    },
+    # Issue #45 (GPU): LoRA with fp8 against LoRA in bf16. Vocab 2048, so that the blocks (where
+    # fp8 applies) and not the output layer decide; the base weights are frozen, so fp8 speeds
+    # up only the forward and input-gradient GEMMs and still pays every cast.
+    "lora-fp8": {
+        "model": ["--model.flavor=1B", "--model.vocab_size=2048", *SEQ],
+        "baseline": "bf16 compile lora 16",
+        "cases": {
+            "bf16 compile lora 16": [*COMPILE, *LORA_16],
+            "fp8 compile lora 16": [*COMPILE, *LORA_16, *FP8],
+        },
     },
     # Issue #34 (context parallel): one sequence of 32k or 64k tokens per step split over all
     # the visible GPUs (parallel.cp = GPUs, one data-parallel rank; FSDP over the cp ranks), the
@@ -299,7 +332,8 @@ def profile_table(profile: dict) -> list[str]:
 
 
 def run_case(
-    suite: str, name: str, args: list[str], opts: argparse.Namespace, ranks: int = 1
+    suite: str, name: str, args: list[str], opts: argparse.Namespace, ranks: int = 1,
+    timeout_s: float | None = None,
 ) -> dict:
     label = re.sub(r"[^a-z0-9]+", "-", f"{suite} {name}".lower()).strip("-")
     cmd = [sys.executable, "train.py"]
@@ -311,13 +345,20 @@ def run_case(
     if opts.profile:  # the last step, left out of the throughput samples
         cmd.append(f"--metrics.profile_step={opts.steps}")
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
-    log = proc.stdout + proc.stderr
+    try:
+        proc = subprocess.run(
+            cmd, cwd=REPO, capture_output=True, text=True, check=False, timeout=timeout_s
+        )
+        log, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:  # a hang or a slow compile costs only its own case
+        out = [b.decode(errors="replace") if isinstance(b, bytes) else b or "" for b in
+               (e.stdout, e.stderr)]  # fmt: skip
+        log, rc = "".join(out) + f"\nError: case timed out after {timeout_s:.0f} s", -9
     (opts.out.parent / f"{label}.log").write_text(log)
     result = {"suite": suite, "case": name, "command": shlex.join(cmd[1:]), "ok": False}
     result["ranks"] = ranks
     result["wall_s"] = round(time.perf_counter() - start, 1)
-    if proc.returncode != 0:
+    if rc != 0:
         # One case failing (fp8 on an old GPU, compile on an odd toolchain) must not cost
         # the others: record the error line and go on.
         result["error"] = next(
@@ -357,19 +398,24 @@ def markdown(report: dict) -> str:
             ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base and base is not r else ""
             mfu = f"{r['mfu_bf16_pct']:.1f}%" if "mfu_bf16_pct" in r else "-"
             case = r["case"] + (f" (cp {r['ranks']})" if r.get("ranks", 1) > 1 else "")
+            case += f" (= {r['same_as']})" if "same_as" in r else ""
             lines.append(
                 f"| {case} | {r['tok_s']:,.0f} | {r.get('tflops', 0):.1f} | {mfu} | "
-                f"{r.get('mem_gib', 0):.1f} | {ratio} |"
+                f"{r.get('mem_gib', 0):.2f} | {ratio} |"
             )
         for r in rows:
-            if r.get("profile"):
+            if r.get("profile") and "same_as" not in r:
                 lines += ["", f"#### {r['case']}", "", *profile_table(r["profile"])]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--suite", choices=[*SUITES, "all"], default="all")
+    p.add_argument("--suite", nargs="+", choices=[*SUITES, "all"], default=["all"])
+    p.add_argument("--cases", default="", help='regex over "suite: case" names to keep')
+    p.add_argument("--case-timeout", type=float, default=900, help="seconds a case may run")
+    p.add_argument("--budget-s", type=float, default=None, help="seconds for the whole command")
+    p.add_argument("--min-case-s", type=float, default=60, help="skip a case with less left")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=15, help="steps left out (compile included)")
     p.add_argument("--interval", type=int, default=5, help="steps per logged sample")
@@ -381,15 +427,16 @@ def main(argv: list[str] | None = None) -> int:
     opts = p.parse_args(argv)
     if opts.smoke:
         opts.steps, opts.warmup, opts.interval = 4, 2, 1
+    began = time.perf_counter()
     import torch
 
     gpus = torch.cuda.device_count()
-    suites = list(SUITES) if opts.suite == "all" else [opts.suite]
+    suites = list(SUITES) if "all" in opts.suite else list(dict.fromkeys(opts.suite))
     # A multi-rank suite takes every GPU (the smoke: 2 ranks, gloo on CPU); it needs two.
     ranks = {s: (2 if opts.smoke else gpus) if SUITES[s].get("all_gpus") else 1 for s in suites}
     for suite in [s for s in suites if ranks[s] < 2 and SUITES[s].get("all_gpus")]:
         refusal = f"bench/gpu.py --suite {suite} needs 2 or more GPUs; {gpus} visible"
-        if opts.suite == suite:
+        if opts.suite == [suite]:
             sys.exit(refusal)
         print(f"{refusal}: skipped", file=sys.stderr)
         suites.remove(suite)
@@ -404,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": opts.smoke,
         "results": [],
     }
+    done: dict[tuple, dict] = {}  # (arguments, ranks) -> the result of that command
     for suite in suites:
         # --smoke: the family's debug flavor (a suite may name its family), after the case's
         # own arguments so that its short sequences win over a case's sequence length.
@@ -411,8 +459,25 @@ def main(argv: list[str] | None = None) -> int:
         model = [] if opts.smoke else SUITES[suite]["model"]
         split = [f"--parallel.cp={ranks[suite]}"] if SUITES[suite].get("all_gpus") else []
         for name, args in SUITES[suite]["cases"].items():
+            if opts.cases and not re.search(opts.cases, f"{suite}: {name}"):
+                continue
             args = [*model, *args, *split, *(smoke if opts.smoke else [])]
-            report["results"].append(run_case(suite, name, args, opts, ranks[suite]))
+            key = (tuple(args), ranks[suite])
+            if same := done.get(key):  # the same command already ran: its numbers, not a rerun
+                report["results"].append(same | {"suite": suite, "case": name,
+                                                 "same_as": f"{same['suite']}: {same['case']}"})
+                continue
+            left = opts.budget_s - (time.perf_counter() - began) if opts.budget_s else math.inf
+            if left < opts.min_case_s:
+                print(f"  {suite}: {name}: SKIPPED, {left:.0f} s of budget left", file=sys.stderr)
+                report["results"].append({"suite": suite, "case": name, "ok": False,
+                                          "error": f"skipped: {left:.0f} s of budget left"})
+                continue
+            timeout = min(opts.case_timeout, left)
+            report["results"].append(run_case(suite, name, args, opts, ranks[suite], timeout))
+            done[key] = report["results"][-1]
+            # Written after every case: a call cut short still returns what finished.
+            opts.out.write_text(json.dumps(report, indent=2) + "\n")
     opts.out.write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(report))
     return 0 if all(r["ok"] for r in report["results"]) else 1

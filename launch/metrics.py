@@ -87,13 +87,19 @@ def peak_tflops(
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
-    """Peak memory of this process in GiB: CUDA allocator on GPU, resident set size on CPU."""
+    """Peak memory of this process in GiB. On a GPU, the CUDA allocator's peaks over the steps
+    since the previous call, which then starts a new interval: torchtitan's rule, so that
+    after warm-up the two trainers' figures read alike, and the compile's and first step's
+    transient peaks do not hide the steady state. On CPU, the resident set's peak since the
+    process started (the kernel keeps no other)."""
     gib = 1024**3
     if device.type == "cuda":
-        return {
+        stats = {
             "memory/max_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
             "memory/max_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
         }
+        torch.cuda.reset_peak_memory_stats(device)
+        return stats
     # ru_maxrss is in KiB on Linux.
     return {"memory/max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 

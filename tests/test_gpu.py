@@ -183,6 +183,35 @@ def test_document_masking_trains_compiled_on_one_gpu(tiny_dataset: str, tmp_path
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=0)
 
 
+def test_cuda_memory_peaks_are_those_of_the_interval_since_the_last_log(monkeypatch) -> None:
+    """torchtitan's rule, so that the two trainers' peaks after warm-up read alike: each read of
+    the allocator's peaks starts a new interval."""
+    from launch.metrics import memory_stats
+
+    peaks = {"allocated": 5 * 2**30, "reserved": 6 * 2**30}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peaks["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: peaks["reserved"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda d: peaks.update(allocated=2**30, reserved=2 * 2**30))  # fmt: skip
+    gpu = torch.device("cuda", 0)
+    first, second = memory_stats(gpu), memory_stats(gpu)
+    assert first == {"memory/max_allocated_gib": 5.0, "memory/max_reserved_gib": 6.0}
+    assert second == {"memory/max_allocated_gib": 1.0, "memory/max_reserved_gib": 2.0}
+
+
+@needs_gpu
+def test_a_transient_peak_shows_in_its_own_interval_only() -> None:
+    from launch.metrics import memory_stats
+
+    gpu = torch.device("cuda", 0)
+    memory_stats(gpu)
+    transient = torch.empty(2**30, dtype=torch.uint8, device=gpu)
+    del transient
+    first = memory_stats(gpu)["memory/max_allocated_gib"]
+    second = memory_stats(gpu)["memory/max_allocated_gib"]
+    assert first >= 1.0 and second <= first - 1.0
+
+
 def _bench_gpu():
     sys.path.insert(0, str(REPO / "bench"))
     spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "bench" / "gpu.py")
