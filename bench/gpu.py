@@ -332,7 +332,11 @@ def profile_table(profile: dict) -> list[str]:
 
 
 def run_case(
-    suite: str, name: str, args: list[str], opts: argparse.Namespace, ranks: int = 1,
+    suite: str,
+    name: str,
+    args: list[str],
+    opts: argparse.Namespace,
+    ranks: int = 1,
     timeout_s: float | None = None,
 ) -> dict:
     label = re.sub(r"[^a-z0-9]+", "-", f"{suite} {name}".lower()).strip("-")
@@ -464,14 +468,22 @@ def main(argv: list[str] | None = None) -> int:
             args = [*model, *args, *split, *(smoke if opts.smoke else [])]
             key = (tuple(args), ranks[suite])
             if same := done.get(key):  # the same command already ran: its numbers, not a rerun
-                report["results"].append(same | {"suite": suite, "case": name,
-                                                 "same_as": f"{same['suite']}: {same['case']}"})
+                report["results"].append(
+                    same
+                    | {"suite": suite, "case": name, "same_as": f"{same['suite']}: {same['case']}"}
+                )
                 continue
             left = opts.budget_s - (time.perf_counter() - began) if opts.budget_s else math.inf
             if left < opts.min_case_s:
                 print(f"  {suite}: {name}: SKIPPED, {left:.0f} s of budget left", file=sys.stderr)
-                report["results"].append({"suite": suite, "case": name, "ok": False,
-                                          "error": f"skipped: {left:.0f} s of budget left"})
+                report["results"].append(
+                    {
+                        "suite": suite,
+                        "case": name,
+                        "ok": False,
+                        "error": f"skipped: {left:.0f} s of budget left",
+                    }
+                )
                 continue
             timeout = min(opts.case_timeout, left)
             report["results"].append(run_case(suite, name, args, opts, ranks[suite], timeout))
