@@ -47,6 +47,7 @@ from launch.job import JobConfig
 from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
 from launch.resume_rules import explain_misfit, resume_changes
+from launch.wandb_run import check_wandb
 from model import ModelFamily, get_family, get_hf_mapping
 from parallel.ac import ActivationCheckpointConfig
 from parallel.build import build_model
@@ -132,6 +133,8 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
             raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
         check_hf_config(mapping, args, job.checkpoint.init_from_hf)
     check_muon(job.optim.name, job.parallel.cpu_offload)
+    if not job.dry_run:  # as for the data: a dry run plans, W&B need not be set up here (yet)
+        check_wandb(job.metrics, os.environ)
     if job.lora.enabled and t.freeze:
         raise ConfigError(
             "train.freeze with lora.enabled: LoRA already freezes every parameter but its "
