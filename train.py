@@ -72,6 +72,7 @@ from launch.metrics import (
 )
 from launch.preflight import network_problem
 from launch.resume_rules import resume_changes
+from launch.wandb_run import resolve_wandb
 from model import count_params, get_hf_mapping, output_layer
 from parallel.build import BuiltModel, build_model
 from parallel.compile import compile_loss
@@ -565,9 +566,10 @@ def loop(
     # What each source has served is a function of the stream position: rank 0 counts tokens
     # per source and sees a source run out without asking the other ranks or the workers.
     sources_seen = SourceMeter(loader.batch_sampler.stream, job.data.seq_len, progress.samples_seen)
-    # After a resume, TensorBoard drops what an earlier attempt logged past the checkpoint.
-    metrics = MetricsLogger(job.metrics, run_dir, is_rank0, t.steps, purge_step=progress.step + 1,
-                            config=asdict(job))  # fmt: skip
+    # After a resume, TensorBoard drops what an earlier attempt logged past the checkpoint;
+    # W&B starts a new run in the run's group.
+    metrics = MetricsLogger(job.metrics, job.run.name, run_dir, run.env, t.steps,
+                            start_step=progress.step, config=asdict(job))  # fmt: skip
     meter, tokens_per_step = throughput_meter(run), t.global_batch_size * job.data.seq_len
     timer, end = Timer(run.device), LoopEnd()
     stragglers = StragglerMeter(job.health, run.device, run.env.rank, run.env.world_size)
@@ -760,6 +762,8 @@ def log_orientation(job: JobConfig, plan: Plan, run_dir: Path, ckpt_folder: Path
     sources = ", ".join(f"{n} {s.weight:g} ({s.path})" for n, s in d.sources.items()) or d.path
     mask = d.attention_mask + (", positions per document" if d.document_positions else "")
     logger.info("data: %s; seq_len %d, %s attention", sources, d.seq_len, mask)
+    if job.metrics.wandb:  # its project, mode, entity and group, and what set each
+        logger.info("%s", resolve_wandb(job.metrics, job.run.name, run_dir, os.environ).line())
     # The start from a checkpoint is logged by Checkpointer.load once its checksums match (a
     # damaged newest one falls back to an older one), from Hugging Face weights by setup.
     if plan.resume is None and not job.checkpoint.init_from_hf:

@@ -45,8 +45,10 @@ from data.tasks import Task, load_tasks
 from launch.elastic import mesh_for_world, unfit_node_counts
 from launch.job import JobConfig
 from launch.lifecycle import RunLock, setup_logging
+from launch.metrics import MetricsConfig
 from launch.plan import format_plan
 from launch.resume_rules import explain_misfit, resume_changes
+from launch.wandb_run import check_wandb
 from model import ModelFamily, get_family, get_hf_mapping
 from parallel.ac import ActivationCheckpointConfig
 from parallel.build import build_model
@@ -132,6 +134,8 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
             raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
         check_hf_config(mapping, args, job.checkpoint.init_from_hf)
     check_muon(job.optim.name, job.parallel.cpu_offload)
+    if not job.dry_run:  # as for the data: a dry run plans, W&B need not be set up here (yet)
+        check_wandb(job.metrics, os.environ)
     if job.lora.enabled and t.freeze:
         raise ConfigError(
             "train.freeze with lora.enabled: LoRA already freezes every parameter but its "
@@ -208,6 +212,12 @@ def unintended_settings(job: JobConfig) -> list[str]:
         settings = ", ".join(f"fp8.{name}={value!r}" for name, value in unused.items())
         verb = "has" if len(unused) == 1 else "have"
         warnings.append(f"{settings} {verb} no effect with fp8.enabled=false")
+    # (W&B's own WANDB_* variables are for any script on the machine: they are not named.)
+    unused = changed_fields(job.metrics, MetricsConfig())
+    if not job.metrics.wandb and (unused := {k: v for k, v in unused.items() if "wandb_" in k}):
+        settings = ", ".join(f"metrics.{name}={value!r}" for name, value in unused.items())
+        verb = "has" if len(unused) == 1 else "have"
+        warnings.append(f"{settings} {verb} no effect with metrics.wandb=false")
     return warnings
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
+import os
 import resource
 import time
 from collections.abc import Iterator
@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
+from launch.wandb_run import start_info, start_wandb
+from parallel.dims import LaunchEnv
 
 logger = logging.getLogger(__name__)
 
@@ -40,26 +43,26 @@ class MetricsConfig:
     """Profile this step (0 = never) with torch.profiler on every rank: a Chrome trace and a
     table of the costliest ops per rank under <run dir>/profile/."""
     wandb: bool = False
-    """Also send every scalar to Weights & Biases (rank 0; `pip install -e .[wandb]`), as a
-    W&B run named run.name, files under <run dir>/wandb/."""
-    wandb_project: str = "fsdp2-trainer"
-    """The W&B project of metrics.wandb's runs."""
-    wandb_mode: Literal["online", "offline"] = "online"
-    """'offline': write the W&B run to disk only (`wandb sync <run dir>/wandb/offline-run-*`
-    uploads it later); for nodes without internet access."""
+    """Also send every scalar to Weights & Biases (rank 0; `pip install -e .[wandb]`): a W&B
+    run per start of the trainer, in a group named run.name (launch/wandb_run.py)."""
+    wandb_project: str | None = None
+    """The W&B project; unset: WANDB_PROJECT, else W&B's settings files, else fsdp2-trainer."""
+    wandb_mode: Literal["online", "offline"] | None = None
+    """'offline': to disk only, for nodes without internet (`wandb sync` uploads it later);
+    unset: WANDB_MODE, else W&B's settings files (`wandb offline`), else 'online'."""
+    wandb_entity: str | None = None
+    """The W&B team or user; unset: WANDB_ENTITY, else W&B's settings files, else yours."""
+    wandb_group: str | None = None
+    """The W&B group of this run's starts; unset: WANDB_RUN_GROUP, else run.name."""
 
     def __post_init__(self) -> None:
         from configs import ConfigError
 
-        # Found, not imported: an unused W&B costs nothing, and a missing one is one line before
-        # any rank starts rather than an ImportError on rank 0 while the others wait.
-        if self.wandb and importlib.util.find_spec("wandb") is None:
-            raise ConfigError(
-                "metrics.wandb=true but wandb is not installed: pip install -e '.[wandb]' "
-                "(or set metrics.wandb=false)"
-            )
-        if self.wandb and not self.wandb_project.strip():
-            raise ConfigError("metrics.wandb_project is empty: name the W&B project")
+        # Whether W&B imports and has a login is checked once the run is (launch/wandb_run.py's
+        # check_wandb): a dry run needs neither.
+        for key in ("wandb_project", "wandb_entity", "wandb_group"):
+            if (value := getattr(self, key)) is not None and not value.strip():
+                raise ConfigError(f"metrics.{key} is empty: name it, or leave it out")
 
         if self.log_interval < 1 or self.warmup_steps < 0 or self.profile_step < 0:
             raise ConfigError(
@@ -153,24 +156,28 @@ class MetricsLogger:
     def __init__(
         self,
         cfg: MetricsConfig,
+        run_name: str,
         run_dir: Path,
-        is_rank0: bool,
+        env: LaunchEnv,
         total_steps: int,
-        purge_step: int,
+        start_step: int,
         config: dict[str, Any] | None = None,
     ) -> None:
+        """`start_step`: the step this start resumes from (0: a fresh start)."""
         self.writer = None
         self.wandb_run = None
-        self.is_rank0 = is_rank0
+        self.is_rank0 = is_rank0 = env.rank == 0
         self.total_steps = total_steps
         if is_rank0 and cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step: after a resume at step N, TensorBoard hides what an earlier attempt
             # logged from step N+1 on, so the curves do not overlap.
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
+                                        purge_step=start_step + 1)  # fmt: skip
         if is_rank0 and cfg.wandb:
-            self.wandb_run = start_wandb(cfg, run_dir, config or {})
+            start = start_info(start_step, env.world_size, env.num_nodes, os.environ)
+            self.wandb_run = start_wandb(cfg, run_name, run_dir, config or {}, start)
 
     def log(self, step: int, scalars: dict[str, float], eta_s: float | None = None) -> None:
         if not self.is_rank0:
@@ -192,18 +199,6 @@ class MetricsLogger:
             self.writer.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()  # ends W&B's service process too
-
-
-def start_wandb(cfg: MetricsConfig, run_dir: Path, config: dict[str, Any]) -> Any:
-    """A W&B run beside TensorBoard: the same scalars at the same steps. Each start of the
-    trainer is a W&B run of its own (a resumed run's curves continue in TensorBoard, whose
-    purge_step drops a failed attempt's overlap; W&B has no such thing)."""
-    import wandb  # only here: metrics.wandb=false never imports it
-
-    return wandb.init(
-        project=cfg.wandb_project, name=run_dir.name, dir=str(run_dir), config=config,
-        mode=cfg.wandb_mode, settings=wandb.Settings(console="off"),
-    )  # fmt: skip
 
 
 def format_duration(seconds: float) -> str:
