@@ -1,0 +1,185 @@
+"""FSDP whose collectives the compiler owns (compile.fsdp="graph"; SimpleFSDP, arXiv 2411.00284).
+
+    apply_graph_fsdp(model, family, dp_mesh, job.parallel, job.compile)   # instead of apply_fsdp
+
+The parameters are sharded exactly as `apply_fsdp` shards them: each one a DTensor on the same
+data-parallel mesh (dp_shard, or (dp_replicate, dp_shard) for HSDP), Shard(0) (Replicate()
+across replicas), so checkpoints, the optimizer and the gradient norm see what they see under
+FSDP2. What changes is how forward reaches the whole weights. Every module that holds
+parameters gets a property per parameter: read inside compiled code, it returns
+
+    param.redistribute(Replicate, forward_dtype=param_dtype, backward_dtype=reduce_dtype)
+         .to_local(grad_placements=Partial("avg"))
+
+an all-gather of the shard cast to the compute dtype *before* it crosses (half the bytes in
+bf16); its backward, by DTensor's autograd, reduce-scatters the gradient in float32 (and
+all-reduces it across replicas), averaged over the data-parallel ranks as FSDP2 averages. Read
+anywhere else (init, checkpoints, the optimizer, LoRA's init), it is the sharded Parameter, so
+no code outside the compiled forward can tell the two paths apart.
+
+The whole model is then compiled as one graph (`nn.Module.compile`, in place: the parameter
+names, hence the checkpoint keys, do not change), and Inductor sees every collective:
+- it buckets them (`compile.bucket_mb`): consecutive all-gathers (reduce-scatters) of the same
+  group and dtype, in graph order, up to that many MB each, become one collective on one
+  buffer, as FSDP2's per-block unit does by hand, but sized by bytes, not by module;
+- it reorders them for overlap (`reorder_for_compute_comm_overlap`): collectives issued early,
+  waits sunk to the first use.
+Resharding after forward is the partitioner's choice between saving a gathered weight for
+backward and gathering it again; `parallel.reshard_after_forward` decides it ('never' saves,
+the others gather again in backward: what FSDP2's 'default' does for all but the last block).
+
+The family's output projection (`model.output_layer`) is compiled on its own as well: the
+chunked loss (parallel/loss.py) calls it outside the model's forward, and under checkpoint in
+backward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.utils.checkpoint import CheckpointPolicy
+
+from model import ModelFamily, output_layer
+from parallel.compile import CompileConfig
+from parallel.dims import ParallelConfig
+from parallel.fsdp import DTYPES
+
+logger = logging.getLogger(__name__)
+
+
+class GraphFSDPModule:
+    """Mixed into the root's class: the two FSDP2 calls the training step makes, so that the
+    step does not ask which path built the model."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """No effect: every backward reduce-scatters its micro-batch's gradient inside the
+        compiled graph (skipping it would need a second graph). Summing reduced gradients over
+        micro-batches equals reducing their sum; it costs one reduce-scatter per micro-batch
+        instead of one per step (parallel/plan.py counts it)."""
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
+        """No effect: a gathered weight lives only inside the compiled step."""
+
+
+class _Gather:
+    """The forward of a parameter: its shard, cast, all-gathered (see the module docstring)."""
+
+    def __init__(self, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype):
+        self.compute = [Replicate()] * mesh.ndim
+        # The gradient of the gathered weight is each rank's partial sum; "avg" divides by the
+        # data-parallel ranks as FSDP2 does (train.py scales the loss for that).
+        self.grad = [Partial("avg")] * mesh.ndim
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+
+    def __call__(self, param: DTensor) -> torch.Tensor:
+        gathered = param.redistribute(
+            placements=self.compute,
+            forward_dtype=None if param.dtype == self.param_dtype else self.param_dtype,
+            backward_dtype=None if param.dtype == self.reduce_dtype else self.reduce_dtype,
+        )
+        return gathered.to_local(grad_placements=self.grad)
+
+
+def _gathering_property(name: str, gather: _Gather) -> property:
+    def get(module: nn.Module) -> torch.Tensor:
+        param = module._parameters[name]
+        # Only while Dynamo traces: eager code (init, checkpoints, LoRA) sees the Parameter.
+        return gather(param) if torch.compiler.is_compiling() else param
+
+    return property(get)
+
+
+def apply_graph_fsdp(
+    model: nn.Module,
+    family: ModelFamily,
+    mesh: DeviceMesh,
+    parallel: ParallelConfig,
+    compile_cfg: CompileConfig,
+) -> None:
+    """Shard every parameter of `model` on `mesh` (as `apply_fsdp` does), gather them inside
+    the compiled forward, and compile the model (and its output projection) in place."""
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    gather = _Gather(mesh, DTYPES[parallel.param_dtype], DTYPES[parallel.reduce_dtype])
+    sharded: dict[int, nn.Parameter] = {}  # a tied weight is one Parameter under two names
+    for module in model.modules():
+        names = [n for n, p in module._parameters.items() if p is not None]
+        for name in names:
+            param = module._parameters[name]
+            if id(param) not in sharded:
+                local = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
+                sharded[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
+            module._parameters[name] = sharded[id(param)]
+        if names:
+            mixins = (GraphFSDPModule,) if module is model else ()
+            props = {name: _gathering_property(name, gather) for name in names}
+            module.__class__ = type(module.__class__.__name__, (*mixins, module.__class__), props)
+    if model.__class__.__bases__[0] is not GraphFSDPModule:  # a root without own parameters
+        model.__class__ = type(model.__class__.__name__, (GraphFSDPModule, model.__class__), {})
+    options = inductor_options(compile_cfg.bucket_mb, parallel.reshard_after_forward)
+    model.compile(fullgraph=compile_cfg.fullgraph, options=options)
+    if (output := output_layer(family, model)) is not None:
+        output.compile(fullgraph=compile_cfg.fullgraph, options=options)
+
+
+def inductor_options(bucket_mb: float, reshard_after_forward: str) -> dict[str, Any]:
+    """Inductor settings for the compiled model (passed per compile, not set globally): FSDP
+    bucketing of all-gathers and reduce-scatters up to `bucket_mb` MB (0: none), reordering
+    for overlap, and the resharding policy. Their names changed across torch releases: each is
+    set only where this torch has it (tests/test_graph_fsdp.py checks that bucketing happens)."""
+    import torch._inductor.comms as comms
+    import torch._inductor.config as inductor
+
+    options: dict[str, Any] = {}
+
+    def cap(bucket: int) -> float:
+        return bucket_mb
+
+    if bucket_mb > 0:
+        for kind, mode in (("all_gathers", "only_fsdp"), ("reduce_scatters", "all")):
+            if hasattr(inductor, f"bucket_{kind}_fx"):
+                options[f"bucket_{kind}_fx"] = mode
+                options[f"bucket_{kind}_fx_bucket_size_determinator"] = cap
+    if hasattr(inductor, "reorder_for_compute_comm_overlap"):
+        options["reorder_for_compute_comm_overlap"] = True
+        options["reorder_for_compute_comm_overlap_passes"] = [
+            p for p in ("sink_waits", "raise_comms", "reorder_compute_for_overlap")
+            if hasattr(comms, p)
+        ]  # fmt: skip
+    if hasattr(inductor, "joint_custom_post_pass"):
+        options["joint_custom_post_pass"] = _ReshardPolicy(reshard_after_forward != "never")
+    return options
+
+
+class _ReshardPolicy:
+    """A joint-graph pass (before the partitioner splits forward from backward) that marks the
+    parameter all-gathers, and the casts and views between a parameter and them, to be redone
+    in backward (resharded after forward) or saved (kept gathered until backward)."""
+
+    def __init__(self, reshard: bool) -> None:
+        self.policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        c10d = torch.ops._c10d_functional
+        for wait in graph.find_nodes(op="call_function", target=c10d.wait_tensor.default):
+            gather = wait.args[0]
+            if getattr(gather, "target", None) != c10d.all_gather_into_tensor.default:
+                continue
+            chain = [wait, gather]
+            node = gather.args[0]
+            while isinstance(node, torch.fx.Node) and node.op == "call_function":
+                if len(node.all_input_nodes) != 1:
+                    break  # not a parameter's own chain (an activation's gather)
+                chain.append(node)
+                node = node.all_input_nodes[0]
+            if not (isinstance(node, torch.fx.Node) and node.op == "placeholder"):
+                continue
+            for n in chain:
+                n.meta["recompute"] = self.policy
+                # A region of its own: nodes at the border of two checkpointed regions are
+                # saved, whatever their tag (torchtitan's SimpleFSDP does the same).
+                n.meta["ac_graph_id"] = 100_000
