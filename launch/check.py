@@ -53,6 +53,7 @@ from parallel.build import build_model
 from parallel.cp import check_cp
 from parallel.dims import LaunchEnv
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
+from parallel.graph_fsdp import check_graph_fsdp
 from parallel.loss import check_chunked_loss
 from parallel.muon import MuonConfig, check_muon
 from parallel.plan import model_shape, plan_communication, plan_memory
@@ -114,6 +115,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     check_chunked_loss(family, job.train.loss_chunk_tokens,
                        job.parallel.reshard_after_forward, job.model.name)  # fmt: skip
     check_cp(job.parallel, job.data.seq_len)
+    check_graph_fsdp(job.compile, job.parallel, job.fp8.enabled)
     dp = dp_replicate * dp_shard
     t = job.train
     # A dry run needs no data: it reports the plan for a cluster the data may not be on yet.

@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy
 
+from configs import ConfigError
 from model import ModelFamily, output_layer
 from parallel.compile import CompileConfig
 from parallel.dims import ParallelConfig
@@ -124,6 +125,35 @@ def apply_graph_fsdp(
     model.compile(fullgraph=compile_cfg.fullgraph, options=options)
     if (output := output_layer(family, model)) is not None:
         output.compile(fullgraph=compile_cfg.fullgraph, options=options)
+
+
+def check_graph_fsdp(compile_cfg: CompileConfig, parallel: ParallelConfig, fp8: bool) -> None:
+    """ConfigError, before any process group, for what compile.fsdp='graph' does not run: one
+    line saying why and what to use instead (compile.fsdp='hooks' runs all of them)."""
+    if compile_cfg.fsdp != "graph":
+        return
+    refused = (
+        (parallel.tp > 1, "parallel.tp > 1", "tensor parallel's weights are DTensors on the tp "
+         "mesh already, and gathering them over the data-parallel mesh inside the graph needs "
+         "2D placements this path does not build"),
+        (parallel.cp > 1, "parallel.cp > 1", "context parallel gathers keys and values with "
+         "eager c10d calls (parallel/cp.py) that one compiled graph cannot hold"),
+        (parallel.ep > 1, "parallel.ep > 1", "expert parallel's experts are FSDP units on a "
+         "mesh of their own, and its all-to-alls have data-dependent sizes"),
+        (fp8, "fp8.enabled", "torchao's float8 weights are gathered through FSDP2's all-gather "
+         "extension (fsdp_pre_all_gather), which the compiled graph never calls"),
+        (parallel.cpu_offload, "parallel.cpu_offload", "offloading moves shards between host "
+         "and device in FSDP2's hooks, and this path has none"),
+        (parallel.forward_prefetch > 0 or parallel.backward_prefetch > 0,
+         "parallel.forward_prefetch/backward_prefetch", "the compiler schedules the all-gathers "
+         "itself (compile.bucket_mb sets their size)"),
+    )  # fmt: skip
+    for hit, setting, why in refused:
+        if hit:
+            raise ConfigError(
+                f"compile.fsdp='graph' with {setting}: {why}; use compile.fsdp='hooks' "
+                "(FSDP2 with per-block compile) for it"
+            )
 
 
 def inductor_options(bucket_mb: float, reshard_after_forward: str) -> dict[str, Any]:
