@@ -138,7 +138,7 @@ def build_model(
     if mesh is None:
         return built
     if job.compile.fsdp == "graph":  # 5-6 as one graph that holds FSDP's collectives
-        apply_ac(model, family.fsdp_units(model), job.ac)
+        apply_ac(model, family.fsdp_units(model), job.ac, in_graph=True)
         apply_graph_fsdp(model, family, fsdp_mesh, job.parallel, job.compile)
         return built
     compile_first = tp_compile_workarounds(model, family, tp, job.compile.enabled, job.ac.mode)

@@ -39,9 +39,10 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy
 
 from configs import ConfigError
@@ -71,19 +72,63 @@ class _Gather:
     """The forward of a parameter: its shard, cast, all-gathered (see the module docstring)."""
 
     def __init__(self, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype):
-        self.compute = [Replicate()] * mesh.ndim
-        # The gradient of the gathered weight is each rank's partial sum; "avg" divides by the
-        # data-parallel ranks as FSDP2 does (train.py scales the loss for that).
-        self.grad = [Partial("avg")] * mesh.ndim
+        shard_dim = mesh.ndim - 1
+        self.shard_group = mesh.get_group(shard_dim)
+        self.replica_group = mesh.get_group(0) if mesh.ndim > 1 else None
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
 
     def __call__(self, param: DTensor) -> torch.Tensor:
-        gathered = param.redistribute(
-            placements=self.compute,
-            forward_dtype=None if param.dtype == self.param_dtype else self.param_dtype,
-            backward_dtype=None if param.dtype == self.reduce_dtype else self.reduce_dtype,
-        )
-        return gathered.to_local(grad_placements=self.grad)
+        return _AllGatherShards.apply(
+            param.to_local(), param.shape[0], self.shard_group, self.replica_group,
+            self.param_dtype, self.reduce_dtype,
+        )  # fmt: skip
+
+
+class _AllGatherShards(torch.autograd.Function):
+    """A shard cast to the compute dtype and all-gathered over the shard group; backward: the
+    gradient cast to the reduce dtype, reduce-scattered (and all-reduced over replicas),
+    averaged over the data-parallel ranks as FSDP2 averages (train.py scales the loss for
+    that), and cast back to the parameter's dtype.
+
+    Functional collectives (what DTensor's redistribute runs) rather than the redistribute
+    itself: under whole-block activation checkpointing torch 2.13's partitioner saves the
+    DeviceMesh of a recomputed redistribute as if it were a tensor and fails (the bug of
+    parallel/workarounds.py's second workaround). Shards follow DTensor's Shard(0) chunking
+    (ceil(rows / ranks) each, the last ones shorter or empty): padded to equal size for the
+    collectives, as FSDP2 pads."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        shard: torch.Tensor,
+        rows: int,
+        shard_group: Any,
+        replica_group: Any,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        ranks = shard_group.size()
+        ctx.groups, ctx.rows, ctx.local_rows = (shard_group, replica_group), rows, shard.shape[0]
+        ctx.dtypes = (reduce_dtype, shard.dtype)
+        ctx.padded = -(-rows // ranks)
+        x = shard.to(param_dtype)
+        if ctx.padded != ctx.local_rows:
+            x = torch.cat([x, x.new_zeros(ctx.padded - ctx.local_rows, *x.shape[1:])])
+        return funcol.all_gather_tensor(x, 0, shard_group)[:rows]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (shard_group, replica_group), (reduce_dtype, dtype) = ctx.groups, ctx.dtypes
+        ranks = shard_group.size()
+        g = grad.to(reduce_dtype)
+        if ctx.padded * ranks != ctx.rows:
+            g = torch.cat([g, g.new_zeros(ctx.padded * ranks - ctx.rows, *g.shape[1:])])
+        # Summed, then divided: gloo has no averaging reduce-scatter.
+        g = funcol.reduce_scatter_tensor(g, "sum", 0, shard_group)
+        if replica_group is not None:
+            g = funcol.all_reduce(g, "sum", replica_group)
+            ranks *= replica_group.size()
+        return (g[: ctx.local_rows] / ranks).to(dtype), None, None, None, None, None
 
 
 def _gathering_property(name: str, gather: _Gather) -> property:
