@@ -203,22 +203,24 @@ def check_graph_fsdp(compile_cfg: CompileConfig, parallel: ParallelConfig, fp8: 
 
 def inductor_options(bucket_mb: float, reshard_after_forward: str) -> dict[str, Any]:
     """Inductor settings for the compiled model (passed per compile, not set globally): FSDP
-    bucketing of all-gathers and reduce-scatters up to `bucket_mb` MB (0: none), reordering
-    for overlap, and the resharding policy. Their names changed across torch releases: each is
-    set only where this torch has it (tests/test_graph_fsdp.py checks that bucketing happens)."""
+    bucketing of all-gathers and reduce-scatters (and HSDP's all-reduces) up to `bucket_mb`
+    MB (0: none), reordering for overlap, and the resharding policy. Their names changed across
+    torch releases: each is set only where this torch has it (tests/test_graph_fsdp.py fails
+    when bucketing does not happen)."""
     import torch._inductor.comms as comms
     import torch._inductor.config as inductor
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    CustomGraphPass.register(_ReshardPolicy)
 
     options: dict[str, Any] = {}
-
-    def cap(bucket: int) -> float:
-        return bucket_mb
-
     if bucket_mb > 0:
-        for kind, mode in (("all_gathers", "only_fsdp"), ("reduce_scatters", "all")):
-            if hasattr(inductor, f"bucket_{kind}_fx"):
-                options[f"bucket_{kind}_fx"] = mode
-                options[f"bucket_{kind}_fx_bucket_size_determinator"] = cap
+        for kind, mode in (("all_gathers", "only_fsdp"), ("reduce_scatters", "all"),
+                           ("all_reduces", "all")):  # fmt: skip
+            name = f"bucket_{kind}_fx"
+            if hasattr(inductor, name) and hasattr(inductor, f"{name}_bucket_size_determinator"):
+                options[name] = mode
+                options[f"{name}_bucket_size_determinator"] = _BucketCap(bucket_mb)
     if hasattr(inductor, "reorder_for_compute_comm_overlap"):
         options["reorder_for_compute_comm_overlap"] = True
         options["reorder_for_compute_comm_overlap_passes"] = [
@@ -230,13 +232,30 @@ def inductor_options(bucket_mb: float, reshard_after_forward: str) -> dict[str, 
     return options
 
 
+class _BucketCap:
+    """Inductor's bucket_size_determinator: the same cap in MB for every bucket. A class, not a
+    closure: Inductor pickles its settings into the key of its compile cache."""
+
+    def __init__(self, mb: float) -> None:
+        self.mb = mb
+
+    def __call__(self, bucket: int) -> float:
+        return self.mb
+
+
 class _ReshardPolicy:
     """A joint-graph pass (before the partitioner splits forward from backward) that marks the
     parameter all-gathers, and the casts and views between a parameter and them, to be redone
-    in backward (resharded after forward) or saved (kept gathered until backward)."""
+    in backward (resharded after forward) or saved (kept gathered until backward). Registered
+    as an Inductor CustomGraphPass (`inductor_options`; not subclassed, since importing
+    torch._inductor takes seconds) with a uuid, so that Inductor's compile cache can key it."""
 
     def __init__(self, reshard: bool) -> None:
+        self.reshard = reshard
         self.policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
+
+    def uuid(self) -> str:
+        return f"fsdp2-trainer-graph-fsdp-reshard-{self.reshard}-1"
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         c10d = torch.ops._c10d_functional
