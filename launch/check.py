@@ -107,6 +107,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     same ConfigError and exits before a collective could wait on a missing peer."""
     family = get_family(job.model.name)
     args = family.build_args(job.model)
+    check_graph_fsdp(job.compile, job.parallel, job.fp8.enabled)  # before the mesh's own checks
     # The mesh and grad accumulation for this world (after an elastic restart, a smaller one:
     # same global batch, or one line that says what would fit; launch/elastic.py).
     mesh = mesh_for_world(job, family, args, env)
@@ -115,7 +116,6 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     check_chunked_loss(family, job.train.loss_chunk_tokens,
                        job.parallel.reshard_after_forward, job.model.name)  # fmt: skip
     check_cp(job.parallel, job.data.seq_len)
-    check_graph_fsdp(job.compile, job.parallel, job.fp8.enabled)
     dp = dp_replicate * dp_shard
     t = job.train
     # A dry run needs no data: it reports the plan for a cluster the data may not be on yet.
