@@ -6,16 +6,14 @@ The parameters are sharded exactly as `apply_fsdp` shards them: each one a DTens
 data-parallel mesh (dp_shard, or (dp_replicate, dp_shard) for HSDP), Shard(0) (Replicate()
 across replicas), so checkpoints, the optimizer and the gradient norm see what they see under
 FSDP2. What changes is how forward reaches the whole weights. Every module that holds
-parameters gets a property per parameter: read inside compiled code, it returns
-
-    param.redistribute(Replicate, forward_dtype=param_dtype, backward_dtype=reduce_dtype)
-         .to_local(grad_placements=Partial("avg"))
-
-an all-gather of the shard cast to the compute dtype *before* it crosses (half the bytes in
-bf16); its backward, by DTensor's autograd, reduce-scatters the gradient in float32 (and
-all-reduces it across replicas), averaged over the data-parallel ranks as FSDP2 averages. Read
-anywhere else (init, checkpoints, the optimizer, LoRA's init), it is the sharded Parameter, so
-no code outside the compiled forward can tell the two paths apart.
+parameters gets a property per parameter: read inside compiled code, it returns the weight
+all-gathered from its shard, cast to the compute dtype *before* it crosses (half the bytes in
+bf16); its backward reduce-scatters the gradient in float32 (and all-reduces it across
+replicas), averaged over the data-parallel ranks as FSDP2 averages (`_AllGatherShards`: what
+DTensor's `redistribute(Replicate, forward_dtype, backward_dtype)` does, written with the
+functional collectives DTensor uses, for a torch bug its docstring names). Read anywhere else
+(init, checkpoints, the optimizer, LoRA's init), it is the sharded Parameter, so no code outside
+the compiled forward can tell the two paths apart.
 
 The whole model is then compiled as one graph (`nn.Module.compile`, in place: the parameter
 names, hence the checkpoint keys, do not change), and Inductor sees every collective:
@@ -25,8 +23,9 @@ names, hence the checkpoint keys, do not change), and Inductor sees every collec
 - it reorders them for overlap (`reorder_for_compute_comm_overlap`): collectives issued early,
   waits sunk to the first use.
 Resharding after forward is the partitioner's choice between saving a gathered weight for
-backward and gathering it again; `parallel.reshard_after_forward` decides it ('never' saves,
-the others gather again in backward: what FSDP2's 'default' does for all but the last block).
+backward and gathering it again; `parallel.reshard_after_forward` decides it ('never' saves
+every gathered weight, the others gather each again in backward, the root's too: FSDP2's
+'default' keeps the root and the last block).
 
 The family's output projection (`model.output_layer`) is compiled on its own as well: the
 chunked loss (parallel/loss.py) calls it outside the model's forward, and under checkpoint in
@@ -35,7 +34,6 @@ backward.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -50,8 +48,6 @@ from model import ModelFamily, output_layer
 from parallel.compile import CompileConfig
 from parallel.dims import ParallelConfig
 from parallel.fsdp import DTYPES
-
-logger = logging.getLogger(__name__)
 
 
 class GraphFSDPModule:
