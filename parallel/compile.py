@@ -39,7 +39,8 @@ class CompileConfig:
     bucket_mb: float = 500.0
     """With fsdp='graph': Inductor merges consecutive all-gathers (and reduce-scatters) into
     buckets of up to this many MB of gathered weights (0 = one collective per parameter). The
-    default is about one Llama 3 8B block in bf16, FSDP2's unit there."""
+    default is about one Llama 3 8B block in bf16, FSDP2's unit there; for a smaller model use
+    about one of its blocks (one bucket for a whole model overlaps nothing: BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         if self.bucket_mb < 0:
