@@ -178,6 +178,20 @@ SUITES = {
             "fp8 compile lora 16": [*COMPILE, *LORA_16, *FP8],
         },
     },
+    # Issue #41 (the compiler owns FSDP's collectives): 8B-shaped blocks x 8, vocab 2048 (the
+    # side-by-side harness's ours-8b8 shape) on one GPU at dp_shard 1, per-block compile with
+    # FSDP2's hooks against the whole model compiled with its casts (compile.fsdp="graph"):
+    # FSDP2's copy-in, casts and gradient copies (13.4 ms a step on one H200) become fused
+    # casts in the graph. Targets: >= 1.05x torchtitan's bf16 tok/s, reserved memory at most
+    # torchtitan's (measure both in ../shared/titan-side-by-side: OURS_X="--compile.fsdp=graph").
+    "graph-fsdp": {
+        "model": ["--model.flavor=8B", "--model.n_layers=8", "--model.vocab_size=2048", *SEQ],
+        "baseline": "bf16 compile",
+        "cases": {
+            "bf16 compile": COMPILE,
+            "bf16 compile graph": [*COMPILE, "--compile.fsdp=graph"],
+        },
+    },
     # Issue #34 (context parallel): one sequence of 32k or 64k tokens per step split over all
     # the visible GPUs (parallel.cp = GPUs, one data-parallel rank; FSDP over the cp ranks), the
     # 1B flavor at its vocabulary of 128,256, compiled, full AC, without and with the chunked

@@ -55,9 +55,10 @@ from parallel.build import build_model
 from parallel.cp import check_cp
 from parallel.dims import LaunchEnv
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
+from parallel.graph_fsdp import check_graph_fsdp
 from parallel.loss import check_chunked_loss
 from parallel.muon import MuonConfig, check_muon
-from parallel.plan import model_shape, plan_communication, plan_memory
+from parallel.plan import graph_buckets, model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
 
 logger = logging.getLogger("launch.check")
@@ -108,6 +109,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     same ConfigError and exits before a collective could wait on a missing peer."""
     family = get_family(job.model.name)
     args = family.build_args(job.model)
+    check_graph_fsdp(job.compile, job.parallel, job.fp8.enabled)  # before the mesh's own checks
     # The mesh and grad accumulation for this world (after an elastic restart, a smaller one:
     # same global batch, or one line that says what would fit; launch/elastic.py).
     mesh = mesh_for_world(job, family, args, env)
@@ -269,6 +271,10 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     printed; nothing is trained and no data is needed."""
     shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
     muon = job.optim.muon.ns_dtype if job.optim.name == "muon" else None
+    graph = job.compile.fsdp == "graph"
+    p = job.parallel
+    buckets = graph_buckets(shape, plan.dp_shard * plan.cp, p.param_dtype, p.reduce_dtype,
+                            job.compile.bucket_mb) if graph else None  # fmt: skip
     mem = plan_memory(
         shape,
         plan.dp_shard,
@@ -285,6 +291,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         cp=plan.cp,
         loss_chunk_tokens=job.train.loss_chunk_tokens,
         muon_dtype=muon,
+        graph_bucket_bytes=max(buckets.all_gather) if buckets else None,
     )
     comm = plan_communication(
         shape,
@@ -302,6 +309,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         ep=plan.ep,
         cp=plan.cp,
         muon_dtype=muon,
+        graph_fsdp=graph,
     )
     print(config_to_toml(job))
     print(
@@ -313,6 +321,10 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
     print(f"# parameters: {shape.numel():,}, trainable {shape.numel(trainable_only=True):,}")
+    if buckets is not None:
+        print(f"# compile.fsdp='graph': per micro-batch {len(buckets.all_gather)} all-gather "
+              f"buckets in forward (largest {max(buckets.all_gather) / 2**20:.1f} MiB), "
+              f"{len(buckets.reduce_scatter)} reduce-scatter buckets in backward")  # fmt: skip
     if plan.dataset is None:
         where = ", ".join(data_paths(job.data)) or "no data.path or data.sources"
         print(f"# data: {where} not found (a dry run does not need it; training does)")

@@ -104,7 +104,10 @@ def document_mask(
     Built once per forward and shared by every layer; None (plain causal) without ids; a
     SplitMask, ids or not, under context parallel (`SEQUENCE_SPLIT`). `dtype`: the
     attention's (the embeddings' output), for CPU SDPA's additive mask (None: boolean)."""
-    if (split := SEQUENCE_SPLIT.get()) is not None:
+    # Dynamo cannot read a ContextVar; a model compiled whole (compile.fsdp="graph") is never
+    # split: that setting refuses context parallel.
+    split = None if torch.compiler.is_compiling() else SEQUENCE_SPLIT.get()
+    if split is not None:
         return split(document_ids, impl, dtype)
     if document_ids is None:
         return None

@@ -80,8 +80,22 @@ def _op_policy(saved: set[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) ->
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _attention_ops() -> set[Any]:
+    """The attention kernels among `_saved_ops`: their outputs, not the matmuls'."""
+    return {op for op in _saved_ops() if "attention" in str(op)}
+
+
+def _whole_block_policy(
+    attention: set[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any
+) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in attention else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def apply_ac(
-    model: nn.Module, blocks: list[nn.Module], cfg: ActivationCheckpointConfig
+    model: nn.Module,
+    blocks: list[nn.Module],
+    cfg: ActivationCheckpointConfig,
+    in_graph: bool = False,
 ) -> list[int]:
     """Wrap `blocks` (the family's `fsdp_units(model)`) in place inside `model`; returns the
     indices of the wrapped ones.
@@ -89,6 +103,9 @@ def apply_ac(
     Call it before `apply_compile` (compile traces the checkpointed block, recompute included)
     and before `apply_fsdp` (FSDP's hooks then sit on the wrapper, outside the recomputed
     region, so a recompute does not all-gather twice).
+    `in_graph`: the blocks will be compiled inside one whole-model graph with FSDP's
+    collectives (compile.fsdp="graph"): 'full' and 'selective' then keep the attention output
+    of each checkpointed block (see below).
     """
     if cfg.mode == "none":
         return []
@@ -99,6 +116,14 @@ def apply_ac(
         kwargs = {}
         if cfg.mode == "op":
             policy = partial(_op_policy, _saved_ops())
+            kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, policy)
+        elif in_graph:
+            # Inside a whole-model graph (compile.fsdp="graph") a recomputed attention kernel
+            # saves its RNG state (the kernels take a dropout), which torch 2.13's AOTAutograd
+            # then misplaces among the saved DeviceMesh of the sharded weights and fails
+            # ("expected all tensors_saved_with_vc_check to be Tensors"). So its output is
+            # kept, as torchtitan's SimpleFSDP keeps it: everything else is recomputed.
+            policy = partial(_whole_block_policy, _attention_ops())
             kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, policy)
         # preserve_rng_state=False: the blocks have no dropout, so the recompute needs no RNG
         # replay (saving and restoring the CUDA RNG state around every block costs time).

@@ -29,6 +29,11 @@ why each step comes where it does:
 6. FSDP: each block (and, under expert parallel, each expert module inside it) its own unit,
    then the root.
 
+With compile.fsdp="graph" steps 5 and 6 are one: AC wraps the blocks, then
+`apply_graph_fsdp` shards the same parameters on the same mesh and compiles the whole model,
+FSDP's collectives inside the graph (parallel/graph_fsdp.py), in place of per-block compile
+and `apply_fsdp`.
+
 Each step asks the family for its blocks anew (`fsdp_units`): the step before may have wrapped
 them.
 """
@@ -48,6 +53,7 @@ from parallel.ep import apply_ep
 from parallel.float8 import Float8Decision, apply_float8, float8_policy, precompute_float8_scales
 from parallel.freeze import apply_freeze
 from parallel.fsdp import apply_fsdp
+from parallel.graph_fsdp import apply_graph_fsdp
 from parallel.lora import apply_lora
 from parallel.runtime import fsdp_and_tp_meshes
 from parallel.tp import apply_tp
@@ -130,6 +136,10 @@ def build_model(
         apply_freeze(model, job.train.freeze)
     built.terms = step_terms(family, model)
     if mesh is None:
+        return built
+    if job.compile.fsdp == "graph":  # 5-6 as one graph that holds FSDP's collectives
+        apply_ac(model, family.fsdp_units(model), job.ac, in_graph=True)
+        apply_graph_fsdp(model, family, fsdp_mesh, job.parallel, job.compile)
         return built
     compile_first = tp_compile_workarounds(model, family, tp, job.compile.enabled, job.ac.mode)
     if compile_first:  # 5

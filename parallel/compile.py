@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
+from configs import ConfigError
 from parallel import replace_submodule
 
 
@@ -29,6 +31,25 @@ class CompileConfig:
     """With compile.enabled, also compile the loss: the float32 upcast, log-softmax and NLL fuse
     into kernels that read the compute-dtype logits, so no float32 copy of the (tokens x vocab)
     logits and of their gradient is ever stored (see bench/loss.py)."""
+    fsdp: Literal["hooks", "graph"] = "hooks"
+    """Who runs FSDP's collectives. 'hooks': FSDP2 (fully_shard), in hooks around each block,
+    outside the compiled blocks. 'graph': the whole model is compiled as one graph holding the
+    all-gathers and reduce-scatters, which Inductor buckets and reorders (needs
+    compile.enabled; parallel/graph_fsdp.py, docs/parallelism.md)."""
+    bucket_mb: float = 500.0
+    """With fsdp='graph': Inductor merges consecutive all-gathers (and reduce-scatters) into
+    buckets of up to this many MB of gathered weights (0 = one collective per parameter). The
+    default is about one Llama 3 8B block in bf16, FSDP2's unit there; for a smaller model use
+    about one of its blocks (one bucket for a whole model overlaps nothing: BENCHMARKS.md)."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_mb < 0:
+            raise ConfigError(f"compile.bucket_mb must be >= 0, got {self.bucket_mb}")
+        if self.fsdp == "graph" and not self.enabled:
+            raise ConfigError(
+                "compile.fsdp='graph' compiles the whole model with its collectives: set "
+                "compile.enabled=true too"
+            )
 
 
 def compile_loss(loss_fn: Callable[..., torch.Tensor], cfg: CompileConfig) -> Callable:
@@ -49,7 +70,7 @@ def apply_compile(model: nn.Module, blocks: list[nn.Module], cfg: CompileConfig)
     `apply_fsdp` (see the module docstring). At tp > 1 with whole-block AC, torch 2.13 needs
     the reverse of the first: see parallel/workarounds.py.
     """
-    if not cfg.enabled:
+    if not cfg.enabled or cfg.fsdp == "graph":  # parallel/graph_fsdp.py compiles the whole model
         return
     for block in blocks:
         replace_submodule(model, block, torch.compile(block, fullgraph=cfg.fullgraph))

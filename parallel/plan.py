@@ -311,19 +311,25 @@ def plan_communication(
     ep: int = 1,
     cp: int = 1,
     muon_dtype: str | None = None,
+    graph_fsdp: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Bytes each rank sends per optimizer step: {mesh dim: {collective: bytes}}. With tp, ep
     or cp > 1, `tokens` (micro-batch x seq_len, whole sequences) sizes the activations they
     move. Under expert parallel the expert weights are gathered and reduced over expert_shard
     (dp_shard / ep). Under context parallel FSDP's group is dp_shard x cp ("dp_shard").
-    `muon_dtype`: optim.muon.ns_dtype under optim.name="muon" (None: AdamW)."""
+    `muon_dtype`: optim.muon.ns_dtype under optim.name="muon" (None: AdamW). `graph_fsdp`
+    (compile.fsdp="graph", `graph_buckets`): every unit resharded unless 'never', nothing kept
+    gathered between micro-batches, gradients reduced after every micro-batch."""
     units = shape.units
     tokens //= cp  # each cp rank holds 1/cp of every sequence
     s, r, e = dp_shard * cp, dp_replicate, dp_shard // ep
     pbytes, rbytes = BYTES[param_dtype], BYTES[reduce_dtype]
     resharded = reshard_plan(len(units) - 1, reshard_after_forward, s, cpu_offload)
+    if graph_fsdp:  # the partitioner regathers every weight for backward, the root's too
+        resharded = [reshard_after_forward != "never"] * len(units)
     # With no unit resharded, the loop keeps them gathered across micro-batches too.
-    kept_all_step = not any(resharded)
+    kept_all_step = not any(resharded) and not graph_fsdp
+    reductions = grad_accum_steps if graph_fsdp else 1  # no skipped sync inside the graph
     gather = reduce_scatter = all_reduce = expert_gather = expert_reduce = 0.0
     n_blocks = len(units) - 1
     for i, (u, freed) in enumerate(zip(units, resharded, strict=True)):
@@ -343,9 +349,9 @@ def plan_communication(
         # Frozen parameters have no gradient to reduce.
         dense_grad = u.shard_numel(s, tp=tp, trainable_only=True, experts=False) * rbytes
         expert_grad = u.shard_numel(s, tp=tp, trainable_only=True, ep=ep, experts=True) * rbytes
-        reduce_scatter += (s - 1) * dense_grad  # (S-1)/S of the padded full gradient
+        reduce_scatter += reductions * (s - 1) * dense_grad  # (S-1)/S of the padded gradient
         expert_reduce += (e - 1) * expert_grad
-        all_reduce += 2 * (r - 1) / r * (dense_grad + expert_grad)
+        all_reduce += reductions * 2 * (r - 1) / r * (dense_grad + expert_grad)
     comm = {
         "dp_shard": {"all_gather": gather, "reduce_scatter": reduce_scatter},
         "dp_replicate": {"all_reduce": all_reduce},
@@ -529,6 +535,7 @@ def plan_memory(
     cp: int = 1,
     loss_chunk_tokens: int = 0,
     muon_dtype: str | None = None,
+    graph_bucket_bytes: float | None = None,
 ) -> dict[str, float]:
     """Bytes per rank: the sharded fp32 training state, gathered parameters and activations.
     `seq_len` is the whole sequence; under context parallel a rank holds 1/cp of it and the
@@ -540,7 +547,9 @@ def plan_memory(
     over ep x expert_shard, the same ranks. Gradients and moments exist only for the
     parameters that train. A gathered block holds its n_experts / ep experts. `muon_dtype`
     (optim.name="muon"): Muon's matrices hold one float32 momentum buffer instead, and the
-    owners their whole matrices (`muon_owner`, module docstring).
+    owners their whole matrices (`muon_owner`, module docstring). `graph_bucket_bytes`
+    (compile.fsdp="graph"): the largest all-gather bucket (`graph_buckets`); two are gathered
+    at a time (one in use, the next in flight), or every weight with 'never'.
     """
     units = shape.units
     dp_shard *= cp  # FSDP's group: dp_shard x cp (parallel/runtime.py dp_mesh)
@@ -555,6 +564,11 @@ def plan_memory(
     n_blocks = len(units) - 1
     kept = n_blocks - sum(reshard_plan(n_blocks, reshard_after_forward, dp_shard, cpu_offload)[:-1])
     gathered_blocks = max(kept, min(2, n_blocks))
+    gathered = (root + gathered_blocks * block) * pbytes
+    if graph_bucket_bytes is not None:
+        whole = sum(u.tp_numel(tp, ep) for u in units) * pbytes
+        never = reshard_after_forward == "never"
+        gathered = whole if never else min(whole, 2 * graph_bucket_bytes)
     # A chunked loss (train.loss_chunk_tokens, parallel/loss.py) holds one chunk's logits.
     logits = min(tokens, loss_chunk_tokens or tokens) * shape.vocab_size / tp
     optimizer = 8 * trained + 4 * n_tensors
@@ -574,7 +588,7 @@ def plan_memory(
         "params": 4 * shard,
         "grads": 4 * trained,
         "optimizer": optimizer,
-        "gathered_params": (root + gathered_blocks * block) * pbytes,
+        "gathered_params": gathered,
         "activations": activation_bytes(
             shape, tokens, param_dtype, ac_mode, ac_every, tp=tp, cp=cp
         ),
@@ -585,3 +599,49 @@ def plan_memory(
         "logits": logits * (2 * pbytes if compiled_loss else pbytes + 12),
     }
     return mem | ({"muon_owner": owner} if muon_dtype is not None else {})
+
+
+@dataclass(frozen=True)
+class GraphBuckets:
+    """compile.fsdp="graph": the collectives of one micro-batch after Inductor's bucketing, each
+    as the bytes of its buffer (parallel/graph_fsdp.py)."""
+
+    all_gather: list[int]
+    """Forward's all-gathers: gathered bytes per bucket. Backward gathers the same buckets
+    again unless parallel.reshard_after_forward='never' (the embedding's weight, which its
+    backward does not need, is counted there too: one parameter over)."""
+    reduce_scatter: list[int]
+    """The gradients' reduce-scatters: input bytes (the whole padded gradient) per bucket."""
+
+
+def graph_buckets(
+    shape: ModelShape,
+    dp_shard: int,
+    param_dtype: str = "bfloat16",
+    reduce_dtype: str = "float32",
+    bucket_mb: float = 500.0,
+) -> GraphBuckets:
+    """Inductor's FSDP bucketing as torch.fx_passes.bucketing does it: collectives in graph
+    order (the units' parameters, in order), each added to the open bucket while the bucket
+    stays within `bucket_mb` MiB (its gathered, padded size), else opening the next; 0 MiB: one
+    per parameter. The gradients come in the reverse order, in `reduce_dtype`, trainable only.
+    A tied weight is gathered twice in forward (once per use) but counted once here."""
+    cap = bucket_mb * 2**20
+    sizes = [
+        (math.ceil(s[0] / dp_shard) * dp_shard * math.prod(s[1:]), trains)
+        for u in shape.units
+        for s, trains in zip(u.shapes, u._trains(), strict=True)
+    ]
+
+    def pack(nbytes: list[int]) -> list[int]:
+        buckets: list[int] = []
+        for n in nbytes:
+            if buckets and buckets[-1] + n <= cap:
+                buckets[-1] += n
+            else:
+                buckets.append(n)
+        return buckets
+
+    gathered = pack([n * BYTES[param_dtype] for n, _ in sizes])
+    grads = pack([n * BYTES[reduce_dtype] for n, trains in reversed(sizes) if trains])
+    return GraphBuckets(gathered, grads)

@@ -17,8 +17,9 @@ WORDS = (
 # workers take whole files in collection order, so these start at once and the many short files
 # fill in beside them, instead of a long file starting last and running alone at the end.
 SLOWEST_FIRST = (
-    "test_launch.py", "test_muon.py", "test_elastic.py", "test_families.py", "test_tp.py",
-    "test_finetune_hf.py", "test_readme.py", "test_checkpoint.py", "test_health.py",
+    "test_graph_fsdp.py", "test_launch.py", "test_muon.py", "test_elastic.py",
+    "test_families.py", "test_tp.py", "test_finetune_hf.py", "test_readme.py",
+    "test_checkpoint.py", "test_health.py",
 )  # fmt: skip
 
 
