@@ -4,7 +4,8 @@
 # case under its own time limit, so a failure or a hang costs only that case:
 #
 #   bash bench/gpu_lease.sh part1 [BUDGET_S]   # side by side with torchtitan: 8B blocks x 8
-#                                              # bf16 and fp8, 1B bf16 (.gpu/titan/run.sh)
+#                                              # bf16 (FSDP2's hooks, and compile.fsdp=graph as
+#                                              # ours-8b8-x) and fp8, 1B bf16 (.gpu/titan/run.sh)
 #   bash bench/gpu_lease.sh part2 [BUDGET_S]   # bench/gpu.py: document masking (profiled),
 #                                              # chunked loss, Muon, LoRA in fp8; tests/test_gpu.py
 #   bash bench/gpu_lease.sh smoke              # CPU: both harnesses end to end on the debug model
@@ -49,7 +50,9 @@ case "$part" in
       STEPS=30 WARMUP=10 \
       TITAN_EXTRA="--profiling.enable_profiling --profiling.profile_freq=30 --profiling.profiler_warmup=0" \
       OURS_EXTRA="--metrics.profile_step=30 ${OURS_EXTRA:-}" \
-      bash .gpu/titan/run.sh ${CASES:-titan-8b8 ours-8b8 titan-8b8-fp8 ours-8b8-fp8 titan-1b ours-1b}
+      OURS_X=${OURS_X:---compile.fsdp=graph} \
+      bash .gpu/titan/run.sh ${CASES:-titan-8b8 ours-8b8 ours-8b8-x ours-8b8-fp8 titan-1b ours-1b \
+        titan-8b8-fp8}
     kernel_tables "$work"
     ;;
   part2|smoke)
