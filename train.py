@@ -83,6 +83,7 @@ from parallel.fsdp import assign_local_shard, reshard_plan
 from parallel.lora import adapter_names, init_lora
 from parallel.loss import ChunkedLoss
 from parallel.muon import Muon, muon_groups
+from parallel.pp import Pipeline
 from parallel.runtime import (
     build_mesh,
     dp_rank_and_size,
@@ -262,6 +263,8 @@ class Run:
     """Steps in a row whose update the non-finite policy skipped."""
     heartbeat: Heartbeat = field(default_factory=lambda: Heartbeat(Path(), 0, 0))
     """Where this rank is (step, phase), for the others to read (launch/health.py)."""
+    pipeline: Pipeline | None = None
+    """Under pipeline parallel (parallel.pp > 1): this rank's stages on their schedule."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -295,7 +298,7 @@ def _train(
     node was lost (the step in flight saved)."""
     torch.manual_seed(job.train.seed)
     torch.use_deterministic_algorithms(job.train.deterministic)
-    mesh = build_mesh(device, plan.dp_replicate, plan.dp_shard, plan.tp, plan.cp)
+    mesh = build_mesh(device, plan.dp_replicate, plan.dp_shard, plan.tp, plan.cp, plan.pp)
     run_dir = Path(job.run.output_dir) / job.run.name
     ckpt_folder = checkpoint_folder(job.checkpoint, run_dir)
     config_toml = config_to_toml(job)
@@ -393,7 +396,8 @@ def setup(
     if env.rank == 0 and job.lora.enabled:
         logger.info("lora: rank %d, alpha %g on %d Linear layers (%s)", job.lora.rank,
                     job.lora.alpha, len(built.adapted), ", ".join(job.lora.targets))  # fmt: skip
-    model.to_empty(device=device)
+    for part in built.parts:  # the model, or each pipeline stage (each its own FSDP root)
+        part.to_empty(device=device)
     t = job.train
     if job.checkpoint.init_from_hf and plan.resume is None:
         mapping = get_hf_mapping(job.model.name)  # checked by check_config
@@ -403,7 +407,8 @@ def setup(
             logger.info("starting at step 0 of %d from the Hugging Face weights in %s: %d "
                         "tensors loaded", t.steps, hf_dir, loaded)  # fmt: skip
     else:  # random init, also when a checkpoint is about to overwrite it (it sets the RoPE table)
-        model.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
+        for part in built.parts:
+            part.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
     # LoRA's adapters by their own rule, on the base weights from either: B = 0, so the model
     # starts as the base model, exactly.
     init_lora(model, t.seed, assign_local_shard)
@@ -434,8 +439,11 @@ def setup(
     resharded = reshard_plan(units, p.reshard_after_forward, plan.dp_shard * plan.cp,
                              p.cpu_offload)  # fmt: skip
     keep_gathered = plan.grad_accum_steps > 1 and not any(resharded)
+    pipeline = None
+    if built.stages:  # the step's micro-batches through this rank's stages (parallel/pp.py)
+        pipeline = Pipeline(built.stages, mesh["pp"], device, p.pipeline, plan.grad_accum_steps)
     return Run(job, plan, env, built, loss_fn, optimizer, scheduler, device, dp_rank, dp_size,
-               to_batch, keep_gathered=keep_gathered)  # fmt: skip
+               to_batch, keep_gathered=keep_gathered, pipeline=pipeline)  # fmt: skip
 
 
 def train_step(
@@ -455,6 +463,44 @@ def train_step(
     started = synchronized_time(global_tokens.device) if timed else 0.0
     dist.all_reduce(global_tokens)
     wait_s = synchronized_time(global_tokens.device) - started if timed else 0.0
+    if run.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
+        with loss_context(tp):
+            loss_sum, stats = run.pipeline.step(
+                micro_batches, run.loss_fn, global_tokens, dp_size * cp * tp, dp_size * cp,
+                t.global_batch_size, partial(run.heartbeat.beat, step),
+            )  # fmt: skip
+    else:
+        loss_sum, stats = accumulate(run, micro_batches, global_tokens, step)
+    grad_norm = clip_grad_norm(model, t.max_grad_norm, run.pipeline)
+    # The stop flags (asked to stop; a launcher died) and the model's statistics ride on the
+    # loss all-reduce: every rank stops after the same step, also one that the signal did not
+    # reach, with no extra collective.
+    flags = torch.tensor([float(stop), float(node_lost)], device=loss_sum.device)
+    summed = torch.cat([loss_sum.view(1), flags,
+                        stats if stats is not None else loss_sum.new_zeros(0)])  # fmt: skip
+    dist.all_reduce(summed)
+    # One device-to-host copy for the four values every rank needs now.
+    needed = torch.cat([summed[:3], grad_norm.view(1)]).tolist()
+    loss_value, stop_value, lost_value, norm_value = needed
+    if math.isfinite(loss_value) and math.isfinite(norm_value):
+        run.optimizer.step()
+        run.skipped_in_a_row = 0
+    else:
+        non_finite(run, loss_value, norm_value)
+    # Every tp rank added the same statistics: / tp.
+    scalars = run.built.after_step(summed[3:] / tp if stats is not None else None, log)
+    run.optimizer.zero_grad(set_to_none=True)
+    lr = run.optimizer.param_groups[0]["lr"]
+    run.scheduler.step()
+    return StepResult(loss_value, norm_value, lr, stop_value > 0, lost_value > 0, scalars, wait_s)
+
+
+def accumulate(
+    run: Run, micro_batches: list[MicroBatch], global_tokens: torch.Tensor, step: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward and backward of each micro-batch in turn, gradients accumulated; returns this
+    rank's share of the step's loss and the model's step statistics (summed)."""
+    model, t, tp, cp, dp_size = run.model, run.job.train, run.plan.tp, run.plan.cp, run.dp_size
     loss_sum = torch.zeros((), device=global_tokens.device)
     stats = None  # the model's step statistics, summed over micro-batches
     for i, batch in enumerate(micro_batches):
@@ -483,28 +529,7 @@ def train_step(
             objective.backward()
         loss_sum += loss.detach()
         run.heartbeat.beat(step, "forward" if not last else "optimizer")
-    grad_norm = clip_grad_norm(model, t.max_grad_norm)
-    # The stop flags (asked to stop; a launcher died) and the model's statistics ride on the
-    # loss all-reduce: every rank stops after the same step, also one that the signal did not
-    # reach, with no extra collective.
-    flags = torch.tensor([float(stop), float(node_lost)], device=loss_sum.device)
-    summed = torch.cat([loss_sum.view(1), flags,
-                        stats if stats is not None else loss_sum.new_zeros(0)])  # fmt: skip
-    dist.all_reduce(summed)
-    # One device-to-host copy for the four values every rank needs now.
-    needed = torch.cat([summed[:3], grad_norm.view(1)]).tolist()
-    loss_value, stop_value, lost_value, norm_value = needed
-    if math.isfinite(loss_value) and math.isfinite(norm_value):
-        run.optimizer.step()
-        run.skipped_in_a_row = 0
-    else:
-        non_finite(run, loss_value, norm_value)
-    # Every tp rank added the same statistics: / tp.
-    scalars = run.built.after_step(summed[3:] / tp if stats is not None else None, log)
-    run.optimizer.zero_grad(set_to_none=True)
-    lr = run.optimizer.param_groups[0]["lr"]
-    run.scheduler.step()
-    return StepResult(loss_value, norm_value, lr, stop_value > 0, lost_value > 0, scalars, wait_s)
+    return loss_sum, stats
 
 
 def synchronized_time(device: torch.device) -> float:
@@ -621,7 +646,11 @@ def loop(
 
 def throughput_meter(run: Run) -> ThroughputMeter:
     job = run.job
-    flops = run.plan.family.flops_per_token(run.model, job.data.seq_len)
+    model = run.model
+    if run.pipeline is not None:  # the whole model's FLOPs per token, not this rank's stages'
+        with torch.device("meta"):
+            model = run.plan.family.build_model(run.plan.args)
+    flops = run.plan.family.flops_per_token(model, job.data.seq_len)
     # The peak MFU is measured against (none is listed for fp32: set metrics.peak_tflops).
     precision = "fp8" if job.fp8.enabled else {"bfloat16": "bf16"}.get(job.parallel.param_dtype)
     peak = peak_tflops(run.device, precision, job.metrics.peak_tflops)
@@ -687,11 +716,14 @@ def task_logliks(run: Run, task: Task) -> torch.Tensor:
     return (logliks / plan.tp).cpu()
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    model: torch.nn.Module, max_norm: float, pipeline: Pipeline | None = None
+) -> torch.Tensor:
     """Clip by the true global norm: the norm of DTensor gradients reduces over all shards
     (and is the same on every replica), unlike a norm of the local shard. Frozen parameters
     have no gradient: the norm is over the trainable ones. Gradients on different meshes (the
-    experts under expert parallel) are reduced per mesh, then combined."""
+    experts under expert parallel) are reduced per mesh, then combined; under pipeline
+    parallel, over every stage."""
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
     by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
@@ -702,6 +734,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         # A DTensor: materialize the reduced value.
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    norm = pipeline.total_norm(norm) if pipeline is not None else norm
     if max_norm > 0:
         for group in by_mesh.values():  # one foreach kernel per mesh, as for the norm
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)

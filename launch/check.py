@@ -58,6 +58,7 @@ from parallel.float8 import Float8Config, check_float8, unmatched_skips
 from parallel.loss import check_chunked_loss
 from parallel.muon import MuonConfig, check_muon
 from parallel.plan import model_shape, plan_communication, plan_memory
+from parallel.pp import check_pp
 from parallel.tp import check_tp
 
 logger = logging.getLogger("launch.check")
@@ -86,6 +87,8 @@ class Plan:
     """Expert-parallel degree (parallel/ep.py): groups of ep ranks inside dp_shard."""
     cp: int = 1
     """Context-parallel degree (parallel/cp.py): each sequence split over cp ranks."""
+    pp: int = 1
+    """Pipeline-parallel degree (parallel/pp.py): the outermost mesh dimension."""
     sources: tuple[DataSource, ...] = ()
     """The training sources (data.path, or the data.sources mixture), sorted by name."""
     tasks: tuple[Task, ...] = ()
@@ -146,6 +149,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     # nothing (lora.targets, train.freeze) fail here.
     built = build_model(family, args, job)
     meta_model = built.model
+    check_pp(job.parallel, job.compile.enabled, family, meta_model, accum)
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
     # or unwritable path) surface here too, before anything could hang on them.
     shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
@@ -178,8 +182,8 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     dataset = sources[0].index if sources else None
     return Plan(
         family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes),
-        tp=job.parallel.tp, ep=job.parallel.ep, cp=job.parallel.cp, sources=sources,
-        tasks=tasks,
+        tp=job.parallel.tp, ep=job.parallel.ep, cp=job.parallel.cp, pp=job.parallel.pp,
+        sources=sources, tasks=tasks,
     )  # fmt: skip
 
 

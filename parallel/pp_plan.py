@@ -1,0 +1,268 @@
+"""Pipeline parallel's arithmetic: its settings, where each stage lives, how the blocks are split,
+and what the planner counts for it (the bubble, activations in flight, point-to-point bytes).
+
+Pure arithmetic, no process group: `launch.check` rejects a bad pipeline with one line before
+any collective, and the planner (`python -m launch.plan --pp`) prints the same numbers as
+`train.py --dry-run`. The runtime (the split model, torch's schedules) is parallel/pp.py.
+
+Units: a *stage* is a contiguous range of blocks; a rank holds `stages_per_rank` of them. The
+formulas count time in forward passes of one micro-batch through one stage (F), with a
+backward of 2 F split evenly into input gradients (I) and weight gradients (W), the ratio the
+zero-bubble papers assume for transformer blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from configs import ConfigError
+
+if TYPE_CHECKING:
+    from parallel.plan import ModelShape
+
+Schedule = Literal["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"]
+
+# Stages per rank each schedule runs (None: any number >= 2), and how stages map to ranks:
+# "loop" puts stage s on rank s % pp, "v" puts stages r and 2 pp - 1 - r on rank r.
+SCHEDULES: dict[str, tuple[int | None, str]] = {
+    "1f1b": (1, "loop"),
+    "gpipe": (1, "loop"),
+    "interleaved_1f1b": (None, "loop"),
+    "zbv": (2, "v"),
+    "dualpipev": (2, "v"),
+}
+# The zero-bubble schedules split backward into input and weight gradients by walking the
+# autograd graph, which a compiled block hides (torch refuses OptimizedModule stages).
+ZERO_BUBBLE = ("zbv", "dualpipev")
+
+
+@dataclass
+class PipelineConfig:
+    """`[parallel.pipeline]`: how parallel.pp > 1 runs its stages (docs/parallelism.md)."""
+
+    schedule: Schedule = "1f1b"
+    """'1f1b' (one stage per rank), 'gpipe' (all forwards, then all backwards), or, with
+    stages_per_rank > 1, 'interleaved_1f1b' (Megatron's virtual stages), 'zbv' (zero-bubble
+    V: backward split into input and weight gradients to fill the bubble) or 'dualpipev'
+    (DeepSeek's DualPipe cut in half); the last two hold 2 stages per rank in a V."""
+    stages_per_rank: int = 0
+    """Virtual stages per rank (0: the schedule's own: 1, or 2 for the others). The model is
+    cut into pp x stages_per_rank stages."""
+    microbatches: int = 0
+    """Micro-batches per step through the pipeline: the step's own, so the loss does not depend
+    on pp (0: train.global_batch_size / (train.micro_batch_size x data-parallel ranks); when
+    set, it must equal that)."""
+    split: list[int] = field(default_factory=list)
+    """Blocks per stage in order, e.g. [9, 10, 10, 9] (empty: balanced by the planner's cost
+    of each block, the output projection and loss counted on the last stage)."""
+
+    def __post_init__(self) -> None:
+        if self.stages_per_rank < 0 or self.microbatches < 0 or any(n < 1 for n in self.split):
+            raise ConfigError(
+                "parallel.pipeline: stages_per_rank and microbatches must be >= 0, and every "
+                f"entry of split >= 1 (got {self.stages_per_rank}, {self.microbatches}, "
+                f"{self.split})"
+            )
+
+    def local_stages(self) -> int:
+        """Stages per rank, the schedule's own when not set."""
+        fixed, _ = SCHEDULES[self.schedule]
+        return self.stages_per_rank or fixed or 2
+
+
+def stage_ranks(pp: int, stages_per_rank: int, schedule: Schedule) -> list[int]:
+    """The pp rank of each stage, in stage order."""
+    n = pp * stages_per_rank
+    if SCHEDULES[schedule][1] == "v":
+        return [s if s < pp else n - 1 - s for s in range(n)]
+    return [s % pp for s in range(n)]
+
+
+def check_pipeline(
+    cfg: PipelineConfig, pp: int, n_blocks: int, microbatches: int, compiled: bool
+) -> None:
+    """ConfigError, before any collective, for a pipeline that cannot run; one line each,
+    saying what would."""
+    if pp == 1:
+        return
+    fixed, _ = SCHEDULES[cfg.schedule]
+    v = cfg.local_stages()
+    if fixed is not None and v != fixed:
+        raise ConfigError(
+            f"parallel.pipeline.schedule={cfg.schedule!r} runs {fixed} stage(s) per rank, not "
+            f"stages_per_rank={cfg.stages_per_rank}: set stages_per_rank={fixed} (or 0), or "
+            "schedule='interleaved_1f1b' for other numbers"
+        )
+    if fixed is None and v < 2:
+        raise ConfigError(
+            "parallel.pipeline.schedule='interleaved_1f1b' needs stages_per_rank >= 2 "
+            "(with 1, use schedule='1f1b')"
+        )
+    stages = pp * v
+    if n_blocks < stages:
+        raise ConfigError(
+            f"parallel.pp={pp} x {v} stage(s) per rank = {stages} stages, but the model has "
+            f"{n_blocks} blocks: each stage needs at least one (fewer stages, or more layers)"
+        )
+    if cfg.split and (len(cfg.split) != stages or sum(cfg.split) != n_blocks):
+        raise ConfigError(
+            f"parallel.pipeline.split={cfg.split} must have {stages} entries (pp x stages per "
+            f"rank) that sum to the model's {n_blocks} blocks"
+        )
+    if cfg.microbatches and cfg.microbatches != microbatches:
+        raise ConfigError(
+            f"parallel.pipeline.microbatches={cfg.microbatches}, but the step has {microbatches} "
+            "micro-batches (train.global_batch_size / (train.micro_batch_size x data-parallel "
+            "ranks)): they are the same micro-batches; change train.micro_batch_size instead"
+        )
+    need = {"1f1b": pp, "gpipe": 1, "zbv": stages, "dualpipev": stages}.get(cfg.schedule, pp)
+    multiple = cfg.schedule == "interleaved_1f1b"
+    if microbatches < need or (multiple and microbatches % pp != 0):
+        rule = f"a multiple of pp ({pp})" if multiple else f"at least {need}"
+        raise ConfigError(
+            f"parallel.pipeline.schedule={cfg.schedule!r} needs {rule} micro-batches per step; "
+            f"this step has {microbatches} (train.global_batch_size / (train.micro_batch_size x "
+            "data-parallel ranks)): lower train.micro_batch_size"
+        )
+    if compiled and cfg.schedule in ZERO_BUBBLE:
+        raise ConfigError(
+            f"compile.enabled with parallel.pipeline.schedule={cfg.schedule!r}: torch's "
+            "zero-bubble schedules split backward into input and weight gradients through the "
+            "autograd graph, which compiled blocks hide; use '1f1b' or 'interleaved_1f1b' with "
+            "compile"
+        )
+
+
+# ---- the split ------------------------------------------------------------------------------
+
+
+def block_costs(shape: ModelShape, seq_len: int) -> tuple[list[float], float]:
+    """Training FLOPs per token of each block, and of the output projection and loss (on the
+    last stage), read from the planner's model shape: 6 per active weight, plus attention's
+    12 x dim x seq_len. The one place the split reads the planner (`balanced_split`)."""
+    units = shape.units[:-1]
+    experts = [u.expert_numel() for u in units]
+    ratio = shape.top_k / shape.n_experts if shape.n_experts else 0.0
+    blocks = [
+        6 * (u.numel() - e + e * ratio) + 12 * shape.dim * seq_len
+        for u, e in zip(units, experts, strict=True)
+    ]
+    return blocks, 6.0 * shape.vocab_size * shape.dim
+
+
+def balanced_split(costs: list[float], last_extra: float, stages: int) -> list[int]:
+    """Blocks per stage: contiguous ranges whose largest cost (the last stage's plus
+    `last_extra`) is the smallest possible; ties keep earlier stages fuller. Exact (binary
+    search on the bottleneck over the candidate sums), cheap for hundreds of blocks."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def fits(limit: float) -> list[int] | None:
+        # Greedy from the end: the last stage takes as few blocks as it must... as many as fit.
+        sizes, end = [], n
+        for s in range(stages - 1, -1, -1):
+            extra = last_extra if s == stages - 1 else 0.0
+            start = end
+            while start > s and prefix[end] - prefix[start - 1] + extra <= limit:
+                start -= 1
+            if start == end:
+                return None
+            sizes.append(end - start)
+            end = start
+        return sizes[::-1] if end == 0 else None
+
+    candidates = sorted({prefix[j] - prefix[i] + (last_extra if j == n else 0.0)
+                         for i in range(n) for j in range(i + 1, n + 1)})  # fmt: skip
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(candidates[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return fits(candidates[lo]) or [n // stages] * stages
+
+
+# ---- the planner's terms --------------------------------------------------------------------
+
+
+def bubble_fraction(schedule: Schedule, pp: int, microbatches: int, stages_per_rank: int) -> float:
+    """Idle share of a rank's step time, F = I = W per stage (the module docstring):
+    (p-1)/(m+p-1) for 1F1B and GPipe; (p-1)/(v m+p-1) interleaved over v stages per rank;
+    0 for ZBV, whose weight gradients fill the warm-up and cool-down (Qi et al. 2024, with
+    m >= 2p); DualPipeV's (p-1)(F&B + B - 3W) per its authors, (p-1)/(6m+p-1) here."""
+    p, m, v = pp, microbatches, stages_per_rank
+    if p == 1:
+        return 0.0
+    if schedule == "zbv":
+        return 0.0
+    if schedule == "dualpipev":
+        return (p - 1) / (6 * m + p - 1)
+    if schedule == "interleaved_1f1b":
+        return (p - 1) / (v * m + p - 1)
+    return (p - 1) / (m + p - 1)
+
+
+def in_flight(schedule: Schedule, pp: int, microbatches: int, stages_per_rank: int) -> float:
+    """Micro-batches whose activations the busiest rank (rank 0) holds at its peak, in units of
+    one micro-batch through all of the rank's blocks: GPipe all m; 1F1B p; interleaved, torch's
+    warm-up of (v-1) p + 2 (p-1) chunks plus one, each 1/v of the rank's blocks; ZBV p (its
+    paper: 1F1B's memory); DualPipeV (2p+1) chunks of 1/2."""
+    p, m, v = pp, microbatches, stages_per_rank
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved_1f1b":
+        return min(v * m, (v - 1) * p + 2 * (p - 1) + 1) / v
+    if schedule == "dualpipev":
+        return min(2 * m, 2 * p + 1) / 2
+    return float(min(m, p))
+
+
+def p2p_bytes(
+    schedule: Schedule,
+    pp: int,
+    microbatches: int,
+    stages_per_rank: int,
+    activation_bytes: float,
+    rank: int | None = None,
+) -> float:
+    """Bytes one rank sends to other pp ranks per step: each of its stages sends its output to
+    the next stage and the gradient of its input to the previous one, once per micro-batch,
+    unless that stage is on the same rank (the V's turn). `activation_bytes`: one
+    micro-batch's hidden state (micro-batch x seq_len / (cp tp) x dim in param_dtype).
+    `rank`: the pp rank (None: the largest over ranks)."""
+    if pp == 1:
+        return 0.0
+    owner = stage_ranks(pp, stages_per_rank, schedule)
+    sent = [0] * pp
+    for s in range(len(owner) - 1):  # the boundary between stage s and s + 1
+        if owner[s] != owner[s + 1]:
+            sent[owner[s]] += 1  # activations forward
+            sent[owner[s + 1]] += 1  # their gradients back
+    per_rank = [n * microbatches * activation_bytes for n in sent]
+    return max(per_rank) if rank is None else per_rank[rank]
+
+
+def pipeline_summary(
+    schedule: Schedule, pp: int, microbatches: int, stages_per_rank: int
+) -> dict[str, float]:
+    """The bubble and the activations in flight, for the planner's table."""
+    return {
+        "bubble": bubble_fraction(schedule, pp, microbatches, stages_per_rank),
+        "in_flight": in_flight(schedule, pp, microbatches, stages_per_rank),
+    }
+
+
+def stage_of_blocks(split: list[int]) -> list[int]:
+    """The stage of each block, for a split of blocks per stage."""
+    return [s for s, n in enumerate(split) for _ in range(n)]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return math.ceil(a / b)
