@@ -115,6 +115,12 @@ class OptimizerState(Stateful):
         return plain_tensors(get_optimizer_state_dict(self.model, self.optimizer))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Under pipeline parallel each rank's groups list its own stages' parameters, and DCP
+        # keeps one rank's copy of this plain object: list this rank's in the same groups (by
+        # position), so that each group's settings reach them. Without pp, nothing changes.
+        mine = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
+        for saved, own in zip(state_dict["param_groups"], mine, strict=False):
+            saved["params"] = list(dict.fromkeys([*saved["params"], *own["params"]]))
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
 
 
