@@ -176,18 +176,21 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 
 def summed_loss(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Pipeline,
     batch: MicroBatch,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """The model's summed loss on one micro-batch (`loss_fn`: possibly the compiled one; a
     `ChunkedLoss` takes the final hidden states and projects them itself, a chunk at a time).
     At tp > 1 call it under `loss_context`: the loss is then a DTensor holding the whole value
-    on every tp rank, returned as a plain tensor (its backward still runs through DTensor)."""
+    on every tp rank, returned as a plain tensor (its backward still runs through DTensor).
+    A `Pipeline` (evaluation under pp) returns None on a rank without the last stage."""
     # Only when chunking: a family without `hidden_only` keeps working unchunked.
     chunked = {"hidden_only": True} if isinstance(loss_fn, ChunkedLoss) else {}
     out = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions,
                 **chunked)  # fmt: skip
+    if out is None:
+        return None
     loss = loss_fn(out, batch.targets)
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
@@ -667,7 +670,7 @@ def validate(run: Run, metrics: MetricsLogger, step: int) -> tuple[float, dict[s
         n_val = job.train.eval_batches * plan.grad_accum_steps
         with loss_context(plan.tp):
             val_losses[f"loss/val/{source.name}"] = evaluate(
-                run.model, val, n_val, run.to_batch, run.loss_fn
+                run.pipeline or run.model, val, n_val, run.to_batch, run.loss_fn
             )
     val_loss = sum(val_losses.values()) / len(val_losses)
     scores = score_tasks(run)
@@ -702,8 +705,10 @@ def task_logliks(run: Run, task: Task) -> torch.Tensor:
         # document masking (each request starts after an EOS, as a document does).
         batch = run.to_batch(inputs, targets)
         with loss_context(plan.tp):
-            logits = run.model(batch.inputs, document_ids=batch.document_ids,
-                               positions=batch.positions)  # fmt: skip
+            logits = (run.pipeline or run.model)(batch.inputs, document_ids=batch.document_ids,
+                                                 positions=batch.positions)  # fmt: skip
+            if logits is None:  # under pp, a rank without the last stage: it adds nothing
+                continue
             nll = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(),
                                   reduction="none")  # fmt: skip
         nll = nll.full_tensor() if isinstance(nll, DTensor) else nll
@@ -764,20 +769,23 @@ def build_loader(
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Pipeline,
     loader: Iterable,
     micro_batches: int,
     to_batch: Callable[[torch.Tensor, torch.Tensor], MicroBatch],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
 ) -> float:
     """Mean loss per target token over the first `micro_batches` of a validation loader, over
-    all data-parallel ranks. `to_batch`: as in training (device, document masking)."""
+    all data-parallel ranks. `to_batch`: as in training (device, document masking). Under pp
+    (`model` a Pipeline) the ranks of the last stage count the losses and targets."""
     batches = iter(loader)
     losses, targets = [], []
     for _ in range(micro_batches):
         batch = to_batch(*next(batches))
-        losses.append(summed_loss(model, batch, loss_fn))
-        targets.append((batch.targets != -100).sum())
+        loss = summed_loss(model, batch, loss_fn)
+        counted = loss is not None  # under pp, only on the last stage's ranks
+        losses.append(loss if counted else torch.zeros((), device=batch.targets.device))
+        targets.append((batch.targets != -100).sum() * counted)
     totals = torch.stack([torch.stack(losses).sum(), torch.stack(targets).sum().float()])
     dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()

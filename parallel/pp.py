@@ -299,7 +299,7 @@ class _StepInputs:
 
 class Pipeline:
     """This rank's stages on torch's schedule: `step` runs forward and backward of a step's
-    micro-batches, `forward` a forward-only pass for evaluation."""
+    micro-batches; calling it, a forward-only pass for evaluation."""
 
     def __init__(
         self,
@@ -403,7 +403,7 @@ class Pipeline:
         return loss_sum, torch.stack(stats).sum(0) if stats else None
 
     @torch.no_grad()
-    def forward(self, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor | None:
+    def __call__(self, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor | None:
         """The model's output for `inputs` (and `kwargs`: document ids, positions, hidden_only)
         on the rank that holds the last stage, None on the others: each stage runs in turn,
         its output sent to the next stage's rank. For evaluation (any shape, one batch at a
