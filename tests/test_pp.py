@@ -1,0 +1,263 @@
+"""Pipeline parallel (parallel/pp.py, parallel/pp_plan.py): the same run as one process on every
+mesh it accepts, checkpoints across pp degrees, one config line for what it refuses.
+
+The trainer runs share their processes: one spawn of N ranks trains several configurations in
+turn (`train_many`), since starting ranks costs more than the tiny model. The models have 4
+blocks (2 stages per rank on 2 ranks) and untied embeddings (refused under pp).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from configs import ConfigError, parse_config
+from model import FAMILIES, ModelConfig
+from parallel.pp_plan import (
+    PipelineConfig,
+    balanced_split,
+    bubble_fraction,
+    check_pipeline,
+    in_flight,
+    p2p_bytes,
+    stage_ranks,
+)
+from tests.distributed import _free_port, run_distributed
+from tests.test_families import assert_same_run as assert_same_losses
+from tests.test_families import run_argv, scalars
+from tests.test_tasks import write_tasks
+from tests.test_train import assert_close
+
+PP_SHAPE = ["--model.n_layers=4", "--model.tie_embeddings=false", "--train.steps=6",
+            "--metrics.tensorboard=true", "--metrics.log_interval=1"]  # fmt: skip
+DEFAULT = ModelConfig().name
+
+
+def train_many(argvs: list[list[str]], ports: list[int]) -> list[list[float]]:
+    """Train each argv in turn in this rank, each in a process group of its own (on its own
+    port: a second group on the first one's store would wait forever)."""
+    import os
+
+    from tests.test_train import train_losses
+
+    losses = []
+    for argv, port in zip(argvs, ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        losses.append(train_losses(argv))
+    return losses
+
+
+def spawn(dataset: str, out: Path, family: str, world: int, runs: dict[str, list[str]]) -> dict:
+    """Train `runs` ({name: extra args}) on `world` ranks in one spawn: {name: the losses and
+    rank 0's TensorBoard scalars}."""
+    mc, lm = write_tasks(out)  # validation and both kinds of eval task, at steps 3 and 6
+    evals = ["--train.eval_interval=3", "--train.eval_batches=1", f"--eval.tasks.mc.path={mc}",
+             f"--eval.tasks.lm.path={lm}", "--eval.tasks.lm.kind=completion"]  # fmt: skip
+    argvs = [run_argv(dataset, out, family, name, *PP_SHAPE, *evals, *extra)
+             for name, extra in runs.items()]  # fmt: skip
+    ports = [_free_port() for _ in argvs]
+    losses = run_distributed(train_many, world, argvs, ports, timeout=600)[0]
+    return {n: {"losses": got} | scalars(out / n) for n, got in zip(runs, losses, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
+    """`reference(family)`: one process, 4 micro-batches of 2 per step, a checkpoint at step 3
+    (trained once per module), with its output folder as "out"."""
+    runs: dict[str, dict[str, Any]] = {}
+
+    def run(family: str) -> dict[str, Any]:
+        if family not in runs:
+            out = tmp_path_factory.mktemp(f"pp_{family}")
+            one = {"one": ["--checkpoint.interval=3"]}
+            runs[family] = spawn(tiny_dataset, out, family, 1, one)["one"] | {"out": out}
+        return runs[family]
+
+    return run
+
+
+def assert_same_run(got: dict, want: dict, steps: slice = slice(None)) -> None:
+    """Losses, grad norms, step-term losses (test_families) and, at steps 3 and 6 (of those in
+    `steps`), the validation loss and the eval tasks' scores within 1e-5."""
+    assert_same_losses(got, want, steps)
+    evals = [t for t in want if t.startswith(("loss/val", "eval/")) and t != "eval/time_s"]
+    assert "loss/val" in evals and any(t.startswith("eval/mc/") for t in evals), list(want)
+    for tag in evals:
+        last = want[tag][-len(got[tag]) :]
+        assert_close(got[tag], last, rtol=1e-5)
+
+
+def _families(quick: str) -> list[Any]:
+    return [pytest.param(f, marks=[] if f == quick else pytest.mark.slow) for f in FAMILIES]
+
+
+@pytest.mark.parametrize("family", _families(DEFAULT))
+def test_every_schedule_gives_the_one_process_run(
+    family: str, reference: Callable[[str], dict], tiny_dataset: str
+) -> None:
+    """pp 2 on 2 ranks, 4 micro-batches per step: 1F1B (with a checkpoint at step 3),
+    interleaved 1F1B with 2 stages per rank and zero-bubble V give the one-process losses,
+    gradient norms (over every stage) and step-term losses (an MoE's aux loss, summed over
+    the stages' blocks) within 1e-5; the 1F1B run's checkpoint holds the same keys and shapes
+    as the one-process run's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    want = reference(family)
+    runs = {
+        "1f1b": ["--parallel.pp=2", "--checkpoint.interval=3"],
+        "interleaved": ["--parallel.pp=2", "--parallel.pipeline.schedule=interleaved_1f1b"],
+        "zbv": ["--parallel.pp=2", "--parallel.pipeline.schedule=zbv"],
+    }
+    got = spawn(tiny_dataset, want["out"], family, 2, runs)
+    assert want["losses"][-1] < want["losses"][0] - 0.5, want["losses"]
+    for name in runs:
+        assert_same_run(got[name], want)
+
+    def keys(run: str) -> dict[str, tuple]:
+        path = want["out"] / run / "checkpoints" / "step-3"
+        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return {k: tuple(getattr(v, "size", ())) for k, v in meta.items() if k != "config"}
+
+    assert keys("1f1b") == keys("one")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_pp_composes_and_resumes_across_pp_degrees(
+    family: str, reference: Callable[[str], dict], tiny_dataset: str
+) -> None:
+    """On 4 ranks: pp 2 x dp_shard 2 (2 micro-batches per rank), pp 2 x tp 2, DualPipeV x
+    dp_shard 2, and the pp 2 run's step-3 checkpoint resumed at pp 4 and at pp 1 (FSDP 1x4),
+    give the one-process run; on 2 ranks, the one-process checkpoint resumed at pp 2."""
+    want = reference(family)
+    out = want["out"]
+    one = out / "one" / "checkpoints" / "step-3"
+    first = {"pp2": ["--parallel.pp=2", "--checkpoint.interval=3"],
+             "from_one": ["--parallel.pp=2", f"--checkpoint.resume={one}"]}  # fmt: skip
+    first = spawn(tiny_dataset, out, family, 2, first)
+    assert_same_run(first["pp2"], want)
+    assert_same_run(first["from_one"], want, slice(3, None))
+    step3 = out / "pp2" / "checkpoints" / "step-3"
+    runs = {
+        "pp2_dp2": ["--parallel.pp=2"],
+        "pp2_tp2": ["--parallel.pp=2", "--parallel.tp=2"],
+        "dualpipev": ["--parallel.pp=2", "--parallel.pipeline.schedule=dualpipev",
+                      "--train.micro_batch_size=1"],
+        "to_pp4": ["--parallel.pp=4", f"--checkpoint.resume={step3}",
+                   "--train.micro_batch_size=1"],
+        "to_pp1": [f"--checkpoint.resume={step3}", "--train.micro_batch_size=1"],
+    }  # fmt: skip
+    got = spawn(tiny_dataset, out, family, 4, runs)
+    for name in ("pp2_dp2", "pp2_tp2", "dualpipev"):
+        assert_same_run(got[name], want)
+    for name in ("to_pp4", "to_pp1"):
+        assert_same_run(got[name], want, slice(3, None))
+
+
+# ---- config checks, before any collective -----------------------------------------------------
+
+
+def _check(tiny_dataset: str, tmp_path: Path, world: int, *extra: str) -> Any:
+    from launch.check import check_config
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+
+    argv = run_argv(tiny_dataset, tmp_path, "llama3", "check", "--model.n_layers=4",
+                    "--model.tie_embeddings=false", *extra)  # fmt: skip
+    return check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, world, world, 1))
+
+
+@pytest.mark.parametrize(
+    ("world", "extra", "says"),
+    [
+        (4, ["--parallel.pp=3"], "must divide the world size"),
+        (2, ["--parallel.pp=2", "--parallel.pipeline.stages_per_rank=2"], "runs 1 stage(s)"),
+        (2, ["--parallel.pp=2", "--parallel.pipeline.schedule=interleaved_1f1b",
+             "--parallel.pipeline.stages_per_rank=3"], "the model has 4 blocks"),
+        (2, ["--parallel.pp=2", "--parallel.pipeline.split=3,2"], "sum to the model's 4"),
+        (2, ["--parallel.pp=2", "--parallel.pipeline.microbatches=2"], "the step has 4"),
+        (2, ["--parallel.pp=2", "--parallel.pipeline.schedule=zbv",
+             "--train.micro_batch_size=4"], "at least 4 micro-batches"),
+        (2, ["--parallel.pp=2", "--parallel.pipeline.schedule=zbv", "--compile.enabled=true"],
+         "compiled blocks hide"),
+        (2, ["--parallel.pp=2", "--model.tie_embeddings=true"], "tied embeddings"),
+    ],
+)  # fmt: skip
+def test_config_errors_say_what_would_work(
+    world: int, extra: list[str], says: str, tiny_dataset: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match=None) as err:
+        _check(tiny_dataset, tmp_path, world, *extra)
+    assert says in str(err.value), err.value
+    assert "\n" not in str(err.value)
+
+
+def test_accepted_mesh_and_split(tiny_dataset: str, tmp_path: Path) -> None:
+    """pp is outside the data-parallel dims: 8 ranks at pp 2 x tp 2 leave dp_shard 2."""
+    plan = _check(tiny_dataset, tmp_path, 8, "--parallel.pp=2", "--parallel.tp=2",
+                  "--parallel.pipeline.split=1,3")  # fmt: skip
+    assert (plan.pp, plan.dp_replicate, plan.dp_shard, plan.tp) == (2, 1, 2, 2)
+    assert plan.grad_accum_steps == 2
+
+
+# ---- the split and the planner's terms ----------------------------------------------------------
+
+
+def test_split_balances_cost_with_the_output_on_the_last_stage() -> None:
+    assert balanced_split([1.0] * 6, 0.6, 2) == [3, 3]
+    assert balanced_split([1.0] * 8, 0.0, 4) == [2, 2, 2, 2]
+    # An output projection worth 1.2 blocks: the last stage takes fewer blocks.
+    assert balanced_split([1.0] * 80, 1.2, 8) == [10, 10, 10, 10, 10, 10, 11, 9]
+    assert balanced_split([1.0] * 78, 2.0, 8) == [10, 10, 10, 10, 10, 10, 10, 8]
+    # The heavy block alone: no stage costs more than 5.
+    assert balanced_split([1.0, 5.0, 1.0, 1.0, 1.0], 0.0, 3) == [1, 1, 3]
+
+
+def test_stage_placement_loop_and_v() -> None:
+    assert stage_ranks(2, 1, "1f1b") == [0, 1]
+    assert stage_ranks(2, 2, "interleaved_1f1b") == [0, 1, 0, 1]
+    assert stage_ranks(4, 2, "zbv") == [0, 1, 2, 3, 3, 2, 1, 0]
+
+
+def test_bubble_in_flight_and_p2p_terms() -> None:
+    assert bubble_fraction("1f1b", 4, 8, 1) == pytest.approx(3 / 11)
+    assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction("zbv", 4, 8, 2) == 0.0
+    assert bubble_fraction("1f1b", 1, 8, 1) == 0.0
+    assert in_flight("gpipe", 4, 8, 1) == 8 and in_flight("1f1b", 4, 8, 1) == 4
+    assert in_flight("interleaved_1f1b", 2, 4, 2) == pytest.approx(2.5)
+    # 1F1B on 4 ranks: the middle ranks send both ways, the ends one way.
+    assert [p2p_bytes("1f1b", 4, 8, 1, 10.0, r) for r in range(4)] == [80, 160, 160, 80]
+    # V: the turn between stage p-1 and p stays on rank p-1.
+    assert [p2p_bytes("zbv", 2, 8, 2, 10.0, r) for r in range(2)] == [160, 160]
+
+
+def test_pipeline_config_checks() -> None:
+    cfg = PipelineConfig(schedule="interleaved_1f1b", stages_per_rank=2)
+    check_pipeline(cfg, 2, 4, 4, compiled=False)
+    with pytest.raises(ConfigError, match="multiple of pp"):
+        check_pipeline(cfg, 2, 4, 3, compiled=False)
+    with pytest.raises(ConfigError):
+        PipelineConfig(split=[0, 4])
+
+
+def test_probe_layout_of_every_family() -> None:
+    """The contract alone names each family's parts: embeddings first, norm and output last;
+    an MoE block's aux loss and expert load are its extra outputs."""
+    from parallel.pp import probe_layout
+
+    for name, family in FAMILIES.items():
+        args = family.build_args(ModelConfig(name, n_layers=3, tie_embeddings=False))
+        with torch.device("meta"):
+            model = family.build_model(args)
+        layout = probe_layout(model, family)
+        assert layout.blocks == ["layers.0", "layers.1", "layers.2"]
+        assert (layout.head, layout.tail) == (["tok_embeddings"], ["norm", "output"])
+        if hasattr(args, "n_experts"):
+            assert layout.extras[0] == (((), torch.float32), ((args.n_experts,), torch.float32))
+        else:
+            assert layout.extras == [None] * 3
