@@ -40,7 +40,7 @@ them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -54,7 +54,7 @@ from parallel.float8 import Float8Decision, apply_float8, float8_policy, precomp
 from parallel.freeze import apply_freeze
 from parallel.fsdp import apply_fsdp
 from parallel.lora import apply_lora
-from parallel.pp import Stage, merged_view, split_model
+from parallel.pp import Stage, StageFamily, merged_view, split_model
 from parallel.runtime import fsdp_and_tp_meshes, pp_size
 from parallel.tp import apply_tp
 from parallel.workarounds import tp_compile_workarounds
@@ -173,10 +173,14 @@ def _parallelize(
     experts = apply_ep(model, family, expert_mesh) if expert_mesh is not None else None
     if mesh is not None and mesh["cp"].size() > 1:
         apply_cp(model, mesh["cp"])
-    if job.lora.enabled:  # 4
-        built.adapted += apply_lora(model, job.lora)
-    if job.train.freeze:
-        apply_freeze(model, job.train.freeze)
+    lora, freeze = job.lora, job.train.freeze
+    if isinstance(family, StageFamily):  # a pipeline stage: what it holds of the patterns
+        lora = replace(lora, targets=family.own(lora.targets, "linears"))
+        freeze = family.own(freeze, "params")
+    if lora.enabled:  # 4
+        built.adapted += apply_lora(model, lora)
+    if freeze:
+        apply_freeze(model, freeze)
     terms = step_terms(family, model)
     if mesh is None:
         return terms

@@ -199,6 +199,20 @@ class StageFamily:
         units = self._family.fsdp_units(model)
         return [u for u in units if not isinstance(u, SkippedBlock)]
 
+    def own(self, patterns: list[str], kind: str) -> list[str]:
+        """The glob `patterns` (train.freeze's over parameter names, kind "params"; lora.targets'
+        over Linear layers, kind "linears") that match something in this stage: check_config
+        checked them against the whole model, and a stage holds only part of it."""
+        from fnmatch import fnmatchcase
+
+        from model import canonical_name
+
+        if kind == "params":
+            names = [canonical_name(n) for n, _ in self._model.named_parameters()]
+        else:
+            names = [n for n, m in self._model.named_modules() if isinstance(m, nn.Linear)]
+        return [p for p in patterns if any(fnmatchcase(n, p) for n in names)]
+
     @property
     def TP_PLAN(self) -> dict[str, Any] | None:  # noqa: N802 - the family's attribute
         from parallel.tp import _matches
@@ -271,13 +285,14 @@ def merged_view(model: nn.Module, stages: list[Stage]) -> nn.Module:
 
 
 class _AddLoss(torch.autograd.Function):
-    """`out` unchanged; in backward, `extra` gets gradient 1: the stage's extra loss (an MoE's
-    aux loss) joins the backward that the schedule runs from the stage's output."""
+    """A copy of `out`; in backward, `extra` gets gradient 1: the stage's extra loss (an MoE's
+    aux loss) joins the backward that the schedule runs from the stage's output. A copy, not a
+    view: the zero-bubble schedules detach the stage's output in place after backward."""
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
         ctx.extra = (extra.shape, extra.dtype, extra.device)
-        return out.view_as(out)
+        return out.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,6 +310,8 @@ class _StepInputs:
     hidden_only: bool
     beat: Callable[[str], None] | None = None
     losses: list[torch.Tensor] = field(default_factory=list)
+    last_extra: torch.Tensor | None = None
+    """The last stage's extra loss of the micro-batch whose loss comes next."""
 
 
 class Pipeline:
@@ -350,6 +367,9 @@ class Pipeline:
                 return None
             extra, stats = stage.terms.collect(step.sequences)
             stage.stats.append(stats)
+            if stage.index == len(self.owners) - 1:  # added to the loss: no copy of the logits
+                step.last_extra = extra * step.extra_scale
+                return None
             return _AddLoss.apply(out, extra * step.extra_scale)
 
         return after_forward
@@ -362,7 +382,8 @@ class Pipeline:
         # Every pp rank counted the step's targets into global_tokens: x pp undoes it.
         loss = loss / step.global_tokens * self.pp
         step.losses.append(loss.detach())
-        return loss * step.scale
+        extra, step.last_extra = step.last_extra, None
+        return loss * step.scale + (extra if extra is not None else 0.0)
 
     def step(
         self,
