@@ -57,8 +57,9 @@ from parallel.dims import LaunchEnv
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
 from parallel.loss import check_chunked_loss
 from parallel.muon import MuonConfig, check_muon
-from parallel.plan import model_shape, plan_communication, plan_memory
+from parallel.plan import ModelShape, model_shape, plan_communication, plan_memory
 from parallel.pp import check_pp
+from parallel.pp_plan import describe, plan_pipeline
 from parallel.tp import check_tp
 
 logger = logging.getLogger("launch.check")
@@ -273,43 +274,62 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     printed; nothing is trained and no data is needed."""
     shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
     muon = job.optim.muon.ns_dtype if job.optim.name == "muon" else None
-    mem = plan_memory(
-        shape,
-        plan.dp_shard,
-        job.train.micro_batch_size,
-        job.data.seq_len,
-        job.parallel.param_dtype,
-        job.ac.mode,
-        job.ac.every,
-        job.parallel.reshard_after_forward,
-        job.parallel.cpu_offload,
-        compiled_loss=job.compile.enabled and job.compile.loss and job.parallel.tp == 1,
-        tp=plan.tp,
-        ep=plan.ep,
-        cp=plan.cp,
-        loss_chunk_tokens=job.train.loss_chunk_tokens,
-        muon_dtype=muon,
-    )
-    comm = plan_communication(
-        shape,
-        plan.dp_replicate,
-        plan.dp_shard,
-        job.parallel.param_dtype,
-        job.parallel.reduce_dtype,
-        reshard_after_forward=job.parallel.reshard_after_forward,
-        grad_accum_steps=plan.grad_accum_steps,
-        cpu_offload=job.parallel.cpu_offload,
-        tp=plan.tp,
-        tokens=job.train.micro_batch_size * job.data.seq_len,
-        ac_mode=job.ac.mode,
-        ac_every=job.ac.every,
-        ep=plan.ep,
-        cp=plan.cp,
-        muon_dtype=muon,
-    )
+    pipelined = plan.pp > 1
+
+    def memory(shape: ModelShape, last: bool = True) -> dict[str, float]:
+        mem = plan_memory(
+            shape,
+            plan.dp_shard,
+            job.train.micro_batch_size,
+            job.data.seq_len,
+            job.parallel.param_dtype,
+            job.ac.mode,
+            job.ac.every,
+            job.parallel.reshard_after_forward,
+            job.parallel.cpu_offload,
+            compiled_loss=job.compile.enabled and job.compile.loss and job.parallel.tp == 1,
+            tp=plan.tp,
+            ep=plan.ep,
+            cp=plan.cp,
+            loss_chunk_tokens=job.train.loss_chunk_tokens,
+            muon_dtype=muon,
+            pipelined=pipelined,
+        )
+        return mem if last else mem | {"logits": 0.0}  # under pp, the last stage's
+
+    def communication(shape: ModelShape) -> dict[str, dict[str, float]]:
+        return plan_communication(
+            shape,
+            plan.dp_replicate,
+            plan.dp_shard,
+            job.parallel.param_dtype,
+            job.parallel.reduce_dtype,
+            reshard_after_forward=job.parallel.reshard_after_forward,
+            grad_accum_steps=plan.grad_accum_steps,
+            cpu_offload=job.parallel.cpu_offload,
+            tp=plan.tp,
+            tokens=job.train.micro_batch_size * job.data.seq_len,
+            ac_mode=job.ac.mode,
+            ac_every=job.ac.every,
+            ep=plan.ep,
+            cp=plan.cp,
+            muon_dtype=muon,
+            pipelined=pipelined,
+        )
+
+    pipeline = None
+    if pipelined:  # the pp rank with the most memory: its stages, activations in flight
+        mem, comm, pipeline = plan_pipeline(
+            shape, job.parallel.pipeline, plan.pp, plan.grad_accum_steps,
+            job.train.micro_batch_size, job.data.seq_len, memory, communication,
+            job.parallel.param_dtype, plan.tp, plan.cp,
+        )  # fmt: skip
+    else:
+        mem, comm = memory(shape), communication(shape)
     print(config_to_toml(job))
     print(
-        f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard}"
+        f"# mesh: {f'pp={plan.pp} x ' if pipelined else ''}dp_replicate={plan.dp_replicate} x "
+        f"dp_shard={plan.dp_shard}"
         + (f" x cp={plan.cp}" if plan.cp > 1 else "")
         + (f" x tp={plan.tp}" if plan.tp > 1 else "")
         + (f" (ep={plan.ep} inside dp_shard{' x cp' * (plan.cp > 1)})" if plan.ep > 1 else "")
@@ -322,10 +342,13 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         print(f"# data: {where} not found (a dry run does not need it; training does)")
     if plan.resume is not None:
         print(f"# resume: {plan.resume.path} (step {plan.resume.step})")
+    if pipeline is not None:
+        print(f"# {describe(pipeline, plan.pp, plan.grad_accum_steps)}")
     mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
     mesh += f" (dp_shard x CP{plan.cp})" if plan.cp > 1 else ""
     mesh += f" TP{plan.tp}" if plan.tp > 1 else ""
     mesh += f" EP{plan.ep}" if plan.ep > 1 else ""
+    mesh = f"PP{plan.pp} " + mesh if pipelined else mesh
     print("\n".join(f"# {line}" for line in format_plan({mesh: (mem, comm)})))
 
 

@@ -311,17 +311,19 @@ def plan_communication(
     ep: int = 1,
     cp: int = 1,
     muon_dtype: str | None = None,
+    pipelined: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Bytes each rank sends per optimizer step: {mesh dim: {collective: bytes}}. With tp, ep
     or cp > 1, `tokens` (micro-batch x seq_len, whole sequences) sizes the activations they
     move. Under expert parallel the expert weights are gathered and reduced over expert_shard
     (dp_shard / ep). Under context parallel FSDP's group is dp_shard x cp ("dp_shard").
-    `muon_dtype`: optim.muon.ns_dtype under optim.name="muon" (None: AdamW)."""
+    `muon_dtype`: optim.muon.ns_dtype under optim.name="muon" (None: AdamW). `pipelined`:
+    `shape` is one pipeline rank's stages (parallel/pp_plan.py `plan_pipeline`)."""
     units = shape.units
     tokens //= cp  # each cp rank holds 1/cp of every sequence
     s, r, e = dp_shard * cp, dp_replicate, dp_shard // ep
     pbytes, rbytes = BYTES[param_dtype], BYTES[reduce_dtype]
-    resharded = reshard_plan(len(units) - 1, reshard_after_forward, s, cpu_offload)
+    resharded = reshard_plan(len(units) - 1, reshard_after_forward, s, cpu_offload, pipelined)
     # With no unit resharded, the loop keeps them gathered across micro-batches too.
     kept_all_step = not any(resharded)
     gather = reduce_scatter = all_reduce = expert_gather = expert_reduce = 0.0
@@ -529,6 +531,7 @@ def plan_memory(
     cp: int = 1,
     loss_chunk_tokens: int = 0,
     muon_dtype: str | None = None,
+    pipelined: bool = False,
 ) -> dict[str, float]:
     """Bytes per rank: the sharded fp32 training state, gathered parameters and activations.
     `seq_len` is the whole sequence; under context parallel a rank holds 1/cp of it and the
@@ -553,7 +556,8 @@ def plan_memory(
     # The root stays gathered all step; one block computes while the next is prefetched
     # (a block not resharded after forward stays gathered until its backward).
     n_blocks = len(units) - 1
-    kept = n_blocks - sum(reshard_plan(n_blocks, reshard_after_forward, dp_shard, cpu_offload)[:-1])
+    resharded = reshard_plan(n_blocks, reshard_after_forward, dp_shard, cpu_offload, pipelined)
+    kept = n_blocks - sum(resharded[:-1])
     gathered_blocks = max(kept, min(2, n_blocks))
     # A chunked loss (train.loss_chunk_tokens, parallel/loss.py) holds one chunk's logits.
     logits = min(tokens, loss_chunk_tokens or tokens) * shape.vocab_size / tp

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from configs import ConfigError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from parallel.plan import ModelShape
 
 Schedule = Literal["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"]
@@ -248,3 +250,93 @@ def p2p_bytes(
 def stage_of_blocks(split: list[int]) -> list[int]:
     """The stage of each block, for a split of blocks per stage."""
     return [s for s, n in enumerate(split) for _ in range(n)]
+
+
+# ---- one pp rank's memory and traffic ---------------------------------------------------------
+
+
+def rank_in_flight(
+    schedule: Schedule, pp: int, microbatches: int, stages_per_rank: int, rank: int
+) -> float:
+    """`in_flight` for pp rank `rank`: 1F1B's rank r holds p - r micro-batches, interleaved
+    1F1B's (v-1) p + 2 (p-1-r) + 1 chunks (torch's warm-up); the others as rank 0."""
+    p, m, v = pp, microbatches, stages_per_rank
+    if schedule == "1f1b":
+        return float(min(m, p - rank))
+    if schedule == "interleaved_1f1b":
+        return min(v * m, (v - 1) * p + 2 * (p - 1 - rank) + 1) / v
+    return in_flight(schedule, pp, microbatches, stages_per_rank)
+
+
+def rank_shape(shape: ModelShape, blocks: list[int], first: bool, last: bool) -> ModelShape:
+    """One pp rank's part of the model: its blocks, and of the root unit the first parameter
+    (the embeddings) on the first stage's rank, the others (final norm, output projection)
+    on the last stage's."""
+    from dataclasses import replace
+
+    def pick(unit: Any, keep: list[int]) -> Any:
+        fields = ("shapes", "float8_gathered", "tp_split", "trainable", "expert", "muon")
+        chosen = {f: tuple(getattr(unit, f)[i] for i in keep) if getattr(unit, f) else ()
+                  for f in fields}  # fmt: skip
+        return replace(unit, **chosen)
+
+    root = shape.units[-1]
+    keep = [i for i in range(len(root.shapes)) if (first and i == 0) or (last and i > 0)]
+    units = [shape.units[b] for b in blocks] + [pick(root, keep)]
+    return replace(shape, units=units, n_layers=len(blocks))
+
+
+def plan_pipeline(
+    shape: ModelShape,
+    cfg: PipelineConfig,
+    pp: int,
+    microbatches: int,
+    micro_batch: int,
+    seq_len: int,
+    memory: Callable[[ModelShape, bool], dict[str, float]],
+    communication: Callable[[ModelShape], dict[str, dict[str, float]]],
+    param_dtype: str = "bfloat16",
+    tp: int = 1,
+    cp: int = 1,
+) -> tuple[dict[str, float], dict[str, dict[str, float]], dict[str, Any]]:
+    """Memory and bytes sent per step of the pp rank that needs the most memory, and the
+    pipeline's own terms (schedule, split, bubble, micro-batches in flight). `memory(shape,
+    last)` and `communication(shape)`: the planner's plan_memory and plan_communication for
+    a rank's part (parallel/plan.py, with pipelined=True): this module adds the schedule's
+    activations in flight and the point-to-point sends."""
+    from parallel.plan import BYTES
+
+    v = cfg.local_stages()
+    split = list(cfg.split) or balanced_split(*block_costs(shape, seq_len), pp * v)
+    stage_of = stage_of_blocks(split)
+    owners = stage_ranks(pp, v, cfg.schedule)
+    hidden = micro_batch * seq_len // (cp * tp) * shape.dim * BYTES[param_dtype]
+    worst: tuple[float, dict, dict, int] | None = None
+    for rank in range(pp):
+        blocks = [b for b, s in enumerate(stage_of) if owners[s] == rank]
+        first, last = owners[0] == rank, owners[-1] == rank
+        part = rank_shape(shape, blocks, first, last)
+        mem = dict(memory(part, last))
+        mem["activations"] *= rank_in_flight(cfg.schedule, pp, microbatches, v, rank)
+        comm = communication(part)
+        comm["pp"] = {"send_recv": p2p_bytes(cfg.schedule, pp, microbatches, v, hidden, rank)}
+        total = sum(mem.values())
+        if worst is None or total > worst[0]:
+            worst = (total, mem, comm, rank)
+    assert worst is not None  # noqa: S101 - pp >= 1 ranks
+    terms = {
+        "schedule": cfg.schedule, "split": split, "rank": worst[3],
+        "bubble": bubble_fraction(cfg.schedule, pp, microbatches, v),
+        "in_flight": rank_in_flight(cfg.schedule, pp, microbatches, v, worst[3]),
+    }  # fmt: skip
+    return worst[1], worst[2], terms
+
+
+def describe(terms: dict[str, Any], pp: int, microbatches: int) -> str:
+    """One line for the dry run and the planner: the schedule, the split, the bubble."""
+    return (
+        f"pipeline: pp={pp} {terms['schedule']} over {microbatches} micro-batches, blocks per "
+        f"stage {terms['split']}; bubble {terms['bubble']:.1%} of the step (F = I = W); rank "
+        f"{terms['rank']} (most memory) holds {terms['in_flight']:g} micro-batches of "
+        "activations in flight"
+    )
