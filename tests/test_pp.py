@@ -159,6 +159,34 @@ def test_pp_composes_and_resumes_across_pp_degrees(
         assert_same_run(got[name], want, slice(3, None))
 
 
+COMPOSED = {  # each against one process with the same settings
+    "ac_lora": ["--ac.mode=full", "--lora.enabled=true"],
+    "freeze_documents_chunks": ["--train.freeze=layers.0.*", "--data.attention_mask=document",
+                                "--train.loss_chunk_tokens=16"],
+    "muon": ["--optim.name=muon"],
+}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_pp_composes_with_the_trainers_features(
+    reference: Callable[[str], dict], tiny_dataset: str, tmp_path: Path
+) -> None:
+    """pp 2 gives the one-process run with full AC and LoRA, with a frozen block, document
+    masking and the chunked loss, with Muon (ZBV: 2 stages per rank, its owners within each
+    stage), and compiled (1F1B, against the plain reference); pp 2 x cp 2 on 4 ranks too."""
+    want = reference(DEFAULT)
+    alone = spawn(tiny_dataset, tmp_path, DEFAULT, 1, COMPOSED)
+    runs = {name: ["--parallel.pp=2", *extra] for name, extra in COMPOSED.items()}
+    runs["muon"].append("--parallel.pipeline.schedule=zbv")
+    runs["compiled"] = ["--parallel.pp=2", "--compile.enabled=true"]
+    got = spawn(tiny_dataset, tmp_path, DEFAULT, 2, runs)
+    for name in COMPOSED:
+        assert_same_run(got[name], alone[name])
+    assert_same_run(got["compiled"], want)
+    cp = spawn(tiny_dataset, tmp_path, DEFAULT, 4, {"cp": ["--parallel.pp=2", "--parallel.cp=2"]})
+    assert_same_run(cp["cp"], want)
+
+
 # ---- config checks, before any collective -----------------------------------------------------
 
 
@@ -262,3 +290,74 @@ def test_probe_layout_of_every_family() -> None:
             assert layout.extras[0] == (((), torch.float32), ((args.n_experts,), torch.float32))
         else:
             assert layout.extras == [None] * 3
+
+
+def p2p_per_step(argvs: list[list[str]], ports: list[int]) -> list[float]:
+    """Train each argv (as `train_many`) with every point-to-point send counted: the bytes
+    this rank sent in the last step's schedule, for each argv."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    import parallel.pp
+
+    sent, steps = [0], []
+    isend, step = c10d.isend, parallel.pp.Pipeline.step
+
+    def counting_isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent[0] += tensor.numel() * tensor.element_size()
+        return isend(tensor, *args, **kwargs)
+
+    def counted_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = sent[0]
+        result = step(self, *args, **kwargs)
+        steps.append(sent[0] - before)
+        return result
+
+    # P2POp checks its op against c10d's isend: the same function in both places.
+    c10d.isend = dist.isend = counting_isend
+    parallel.pp.Pipeline.step = counted_step
+    last = []
+    for argv, port in zip(argvs, ports, strict=True):
+        train_many([argv], [port])
+        last.append(float(steps[-1]))
+    return last
+
+
+@pytest.mark.slow
+def test_planner_p2p_bytes_match_gloo(tiny_dataset: str, tmp_path: Path) -> None:
+    """The bytes each pp rank sends per step (activations forward, their gradients back, none
+    across the V's turn) are the planner's within 1%, for 1F1B, interleaved 1F1B and ZBV."""
+    schedules = {"1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}
+    argvs = [run_argv(tiny_dataset, tmp_path, DEFAULT, s, "--model.n_layers=4",
+                      "--model.tie_embeddings=false", "--train.steps=2", "--parallel.pp=2",
+                      f"--parallel.pipeline.schedule={s}") for s in schedules]  # fmt: skip
+    got = run_distributed(p2p_per_step, 2, argvs, [_free_port() for _ in argvs], timeout=600)
+    hidden = 2 * 32 * 64 * 4  # micro-batch x seq_len x dim, float32
+    for i, (schedule, v) in enumerate(schedules.items()):
+        for rank in range(2):
+            want = p2p_bytes(schedule, 2, 4, v, hidden, rank)  # type: ignore[arg-type]
+            assert got[rank][i] == pytest.approx(want, rel=0.01), (schedule, rank)
+
+
+def test_planner_cli_and_dry_run_show_the_pipeline(
+    capsys: pytest.CaptureFixture[str], tiny_dataset: str, tmp_path: Path
+) -> None:
+    """`python -m launch.plan --pp` adds pipeline columns with their bubble and sends; the dry
+    run prints the schedule, the split and the bubble for the configured pp."""
+    from launch.check import dry_run
+    from launch.job import JobConfig
+    from launch.plan import main
+    from parallel.dims import LaunchEnv
+
+    main(["--model", "70B", "--nodes", "8", "--pp", "4", "--tp", "8", "--ac", "full"])
+    out = capsys.readouterr().out
+    assert "PP4 FSDP 1x2 TP8" in out and "sent/step: pp send_recv" in out
+    assert "PP4 FSDP 1x2 TP8: " in out and "bubble 8.6%" in out
+    argv = run_argv(tiny_dataset, tmp_path, "llama3", "check", "--parallel.pp=2",
+                    "--model.n_layers=4", "--model.tie_embeddings=false")  # fmt: skip
+    job = parse_config(JobConfig, argv)
+    plan = _check(tiny_dataset, tmp_path, 2, "--parallel.pp=2")
+    dry_run(job, plan, LaunchEnv(0, 0, 2, 2, 1))
+    out = capsys.readouterr().out
+    assert "pipeline: pp=2 1f1b over 4 micro-batches, blocks per stage [2, 2]" in out
+    assert "PP2 FSDP 1x1" in out and "pp send_recv" in out
