@@ -405,7 +405,10 @@ def setup(
     if job.checkpoint.init_from_hf and plan.resume is None:
         mapping = get_hf_mapping(job.model.name)  # checked by check_config
         hf_dir, adapters = job.checkpoint.init_from_hf, adapter_names(model)
-        loaded = load_hf_weights(model, mapping, hf_dir, job.data.seq_len, exclude=adapters)
+        loaded = load_hf_weights(model, mapping, hf_dir, job.data.seq_len, exclude=adapters,
+                                 partial=bool(built.stages))  # fmt: skip
+        for stage in built.stages:  # each stage's own RoPE table (`model` gathers no buffers)
+            stage.model.init_buffers(job.data.seq_len)
         if env.rank == 0:  # log_orientation leaves this start to here, where the count is known
             logger.info("starting at step 0 of %d from the Hugging Face weights in %s: %d "
                         "tensors loaded", t.steps, hf_dir, loaded)  # fmt: skip

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from checkpoint.export import export_checkpoint
 from configs import ConfigError, parse_config
 from model import FAMILIES, ModelConfig
 from parallel.pp_plan import (
@@ -157,6 +159,14 @@ def test_pp_composes_and_resumes_across_pp_degrees(
         assert_same_run(got[name], want)
     for name in ("to_pp4", "to_pp1"):
         assert_same_run(got[name], want, slice(3, None))
+    # The Hugging Face export of the pp 2 checkpoint is the one-process checkpoint's.
+    exported = {}
+    for run in ("pp2", "one"):
+        export_checkpoint(out / run / "checkpoints" / "step-3", out / f"hf_{run}", torch.float32)
+        exported[run] = load_file(out / f"hf_{run}" / "model.safetensors")
+    assert exported["pp2"].keys() == exported["one"].keys()
+    for key, tensor in exported["one"].items():
+        torch.testing.assert_close(exported["pp2"][key], tensor, rtol=1e-5, atol=1e-6)
 
 
 COMPOSED = {  # each against one process with the same settings
@@ -173,14 +183,18 @@ def test_pp_composes_with_the_trainers_features(
 ) -> None:
     """pp 2 gives the one-process run with full AC and LoRA, with a frozen block, document
     masking and the chunked loss, with Muon (ZBV: 2 stages per rank, its owners within each
-    stage), and compiled (1F1B, against the plain reference); pp 2 x cp 2 on 4 ranks too."""
+    stage), from Hugging Face weights (each rank reads its stages' tensors), and compiled
+    (1F1B, against the plain reference); pp 2 x cp 2 on 4 ranks too."""
     want = reference(DEFAULT)
-    alone = spawn(tiny_dataset, tmp_path, DEFAULT, 1, COMPOSED)
-    runs = {name: ["--parallel.pp=2", *extra] for name, extra in COMPOSED.items()}
+    hf = tmp_path / "hf"  # the reference's step 3, exported: a start from Hugging Face weights
+    export_checkpoint(want["out"] / "one" / "checkpoints" / "step-3", hf, torch.float32)
+    composed = COMPOSED | {"from_hf": [f"--checkpoint.init_from_hf={hf}"]}
+    alone = spawn(tiny_dataset, tmp_path, DEFAULT, 1, composed)
+    runs = {name: ["--parallel.pp=2", *extra] for name, extra in composed.items()}
     runs["muon"].append("--parallel.pipeline.schedule=zbv")
     runs["compiled"] = ["--parallel.pp=2", "--compile.enabled=true"]
     got = spawn(tiny_dataset, tmp_path, DEFAULT, 2, runs)
-    for name in COMPOSED:
+    for name in composed:
         assert_same_run(got[name], alone[name])
     assert_same_run(got["compiled"], want)
     cp = spawn(tiny_dataset, tmp_path, DEFAULT, 4, {"cp": ["--parallel.pp=2", "--parallel.cp=2"]})
