@@ -375,3 +375,22 @@ def test_planner_cli_and_dry_run_show_the_pipeline(
     out = capsys.readouterr().out
     assert "pipeline: pp=2 1f1b over 4 micro-batches, blocks per stage [2, 2]" in out
     assert "PP2 FSDP 1x1" in out and "pp send_recv" in out
+
+
+def test_an_elastic_restart_keeps_pp(tiny_dataset: str, tmp_path: Path) -> None:
+    """A world that loses a node keeps pp and the global batch: the replicas go, and the
+    gradient accumulation (the pipeline's micro-batches) grows."""
+    from launch.elastic import choose_mesh
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+
+    argv = run_argv(tiny_dataset, tmp_path, "llama3", "elastic", "--parallel.pp=2",
+                    "--parallel.dp_replicate=-1", "--parallel.dp_shard=1",
+                    "--model.n_layers=4", "--model.tie_embeddings=false")  # fmt: skip
+    job = parse_config(JobConfig, argv)
+    family = FAMILIES["llama3"]
+    args = family.build_args(job.model)
+    before = choose_mesh(job, family, args, LaunchEnv(0, 0, 8, 4, 2))
+    after = choose_mesh(job, family, args, LaunchEnv(0, 0, 4, 4, 1))
+    assert (before.dp_replicate, before.dp_shard, before.grad_accum_steps) == (4, 1, 1)
+    assert (after.dp_replicate, after.dp_shard, after.grad_accum_steps) == (2, 1, 2)
