@@ -317,15 +317,13 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
             pipelined=pipelined,
         )
 
-    pipeline = None
+    mem, comm, pipeline = memory(shape), communication(shape), None
     if pipelined:  # the pp rank with the most memory: its stages, activations in flight
         mem, comm, pipeline = plan_pipeline(
             shape, job.parallel.pipeline, plan.pp, plan.grad_accum_steps,
             job.train.micro_batch_size, job.data.seq_len, memory, communication,
             job.parallel.param_dtype, plan.tp, plan.cp,
         )  # fmt: skip
-    else:
-        mem, comm = memory(shape), communication(shape)
     print(config_to_toml(job))
     print(
         f"# mesh: {f'pp={plan.pp} x ' if pipelined else ''}dp_replicate={plan.dp_replicate} x "

@@ -10,7 +10,7 @@ weights float8 converts and which parameters train. With a mesh every step runs.
 why each step comes where it does:
 
 1. The family's model on meta: no memory yet; each rank allocates only its shards later.
-   With parallel.pp > 1 (1b), cut into stages of contiguous blocks (parallel/pp.py): this
+   With parallel.pp > 1 (1b), cut into stages of contiguous blocks (parallel/pp_split.py): this
    rank keeps its stages, each a copy of the model whose other blocks are skipped, and every
    step below runs on each stage as it would on the whole model (each stage is its own FSDP
    root over its data-parallel ranks). First, because everything after it (float8's choice of
@@ -54,7 +54,7 @@ from parallel.float8 import Float8Decision, apply_float8, float8_policy, precomp
 from parallel.freeze import apply_freeze
 from parallel.fsdp import apply_fsdp
 from parallel.lora import apply_lora
-from parallel.pp import Stage, StageFamily, merged_view, split_model
+from parallel.pp_split import Stage, StageFamily, merged_view, split_model
 from parallel.runtime import fsdp_and_tp_meshes, pp_size
 from parallel.tp import apply_tp
 from parallel.workarounds import tp_compile_workarounds
@@ -129,7 +129,7 @@ def build_model(
         built.terms = _parallelize(built, model, family, job, mesh, meshes, expert_mesh)
         return built
     # 1b. The pipeline split: this rank's stages, each a copy of the model on meta holding its
-    # blocks (parallel/pp.py); steps 2-6 then run on each stage as on a whole model.
+    # blocks (parallel/pp_split.py); steps 2-6 then run on each stage as on a whole model.
     pp_rank = mesh["pp"].get_local_rank()
     built.stages = split_model(model, family, job.parallel.pipeline, pp, pp_rank,
                                job.data.seq_len)  # fmt: skip

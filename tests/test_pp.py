@@ -291,7 +291,7 @@ def test_pipeline_config_checks() -> None:
 def test_probe_layout_of_every_family() -> None:
     """The contract alone names each family's parts: embeddings first, norm and output last;
     an MoE block's aux loss and expert load are its extra outputs."""
-    from parallel.pp import probe_layout
+    from parallel.pp_split import probe_layout
 
     for name, family in FAMILIES.items():
         args = family.build_args(ModelConfig(name, n_layers=3, tie_embeddings=False))
