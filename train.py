@@ -475,6 +475,7 @@ def train_step(
                 micro_batches, run.loss_fn, global_tokens, dp_size * cp * tp, dp_size * cp,
                 t.global_batch_size, partial(run.heartbeat.beat, step),
             )  # fmt: skip
+        run.heartbeat.beat(step, "optimizer")
     else:
         loss_sum, stats = accumulate(run, micro_batches, global_tokens, step)
     grad_norm = clip_grad_norm(model, t.max_grad_norm, run.pipeline)
