@@ -394,3 +394,35 @@ def test_an_elastic_restart_keeps_pp(tiny_dataset: str, tmp_path: Path) -> None:
     after = choose_mesh(job, family, args, LaunchEnv(0, 0, 4, 4, 1))
     assert (before.dp_replicate, before.dp_shard, before.grad_accum_steps) == (4, 1, 1)
     assert (after.dp_replicate, after.dp_shard, after.grad_accum_steps) == (2, 1, 2)
+
+
+def train_stopped_by_the_last_stage(argv: list[str]) -> list[float]:
+    """Train, with a stop request reaching only the last pp rank, during step 3."""
+    import os
+
+    import train
+    from tests.test_train import train_losses
+
+    step = train.train_step
+
+    def stop_on_the_last_stage(run: Any, batches: Any, stop: bool, *args: Any) -> Any:
+        last = run.pipeline is not None and run.pipeline.holds_last
+        return step(run, batches, stop or (last and run.progress.step == 2), *args)
+
+    train.train_step = stop_on_the_last_stage
+    assert os.environ["RANK"] in ("0", "1")
+    return train_losses(argv)
+
+
+@pytest.mark.slow
+def test_a_stop_reaching_one_stage_stops_every_stage_after_the_same_step(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """The stop flag rides on the step's all-reduce over every rank: both stages end after
+    step 3 and save it."""
+    argv = run_argv(tiny_dataset, tmp_path, DEFAULT, "stopped", "--model.n_layers=4",
+                    "--model.tie_embeddings=false", "--train.steps=6", "--parallel.pp=2",
+                    "--checkpoint.interval=100")  # fmt: skip
+    losses = run_distributed(train_stopped_by_the_last_stage, 2, argv, timeout=600)
+    assert [len(rank) for rank in losses] == [3, 3]
+    assert (tmp_path / "stopped" / "checkpoints" / "step-3").is_dir()
