@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from configs import ConfigError
 from parallel.pp_plan import SCHEDULES, PipelineConfig, stage_ranks
@@ -198,7 +197,8 @@ class Pipeline:
             x = local[s].model(x, **kwargs)
             if s + 1 < len(self.owners) and self.owners[s + 1] != self.rank:
                 self._send(x, self.owners[s + 1])
-        self.reshard()
+        # No reshard here: the chunked loss applies the last stage's output layer next, and a
+        # checkpoint's state_dict reshards by FSDP's own hooks.
         return x if self.holds_last else None
 
     def _send(self, x: torch.Tensor, rank: int) -> None:
@@ -213,14 +213,6 @@ class Pipeline:
         x = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
         dist.recv(x, self.ranks[rank], group=self.group)
         return x
-
-    def reshard(self) -> None:
-        """Free every stage's gathered parameters (after a forward-only pass: under pp no unit
-        frees them after forward, and a checkpoint must see the shards)."""
-        for stage in self.stages:
-            for module in stage.model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
 
     def total_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The gradient norm over every stage, from this rank's stages' `norm` (the same on
