@@ -8,6 +8,7 @@ blocks (2 stages per rank on 2 ranks) and untied embeddings (refused under pp).
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,16 +40,26 @@ PP_SHAPE = ["--model.n_layers=4", "--model.tie_embeddings=false", "--train.steps
 DEFAULT = ModelConfig().name
 
 
-def train_many(argvs: list[list[str]], ports: list[int]) -> list[list[float]]:
-    """Train each argv in turn in this rank, each in a process group of its own (on its own
-    port: a second group on the first one's store would wait forever)."""
+def train_many(argvs: list[list[str]], folder: str) -> list[list[float]]:
+    """Train each argv in turn in this rank, each in a process group of its own: on a port that
+    rank 0 finds free just before the run and hands the others through `folder` (a second
+    group on the first one's store would wait forever; ports chosen all at once may be taken
+    by the time a later run starts)."""
     import os
+    import time
 
     from tests.test_train import train_losses
 
     losses = []
-    for argv, port in zip(argvs, ports, strict=True):
-        os.environ["MASTER_PORT"] = str(port)
+    for i, argv in enumerate(argvs):
+        note = Path(folder) / f"port-{i}"
+        if os.environ["RANK"] == "0":
+            (Path(folder) / "next").write_text(str(_free_port()))
+            (Path(folder) / "next").rename(note)
+        deadline = time.monotonic() + 300
+        while not note.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.environ["MASTER_PORT"] = note.read_text()
         losses.append(train_losses(argv))
     return losses
 
@@ -61,8 +72,8 @@ def spawn(dataset: str, out: Path, family: str, world: int, runs: dict[str, list
              f"--eval.tasks.lm.path={lm}", "--eval.tasks.lm.kind=completion"]  # fmt: skip
     argvs = [run_argv(dataset, out, family, name, *PP_SHAPE, *evals, *extra)
              for name, extra in runs.items()]  # fmt: skip
-    ports = [_free_port() for _ in argvs]
-    losses = run_distributed(train_many, world, argvs, ports, timeout=600)[0]
+    folder = tempfile.mkdtemp(dir=out)
+    losses = run_distributed(train_many, world, argvs, folder, timeout=600)[0]
     return {n: {"losses": got} | scalars(out / n) for n, got in zip(runs, losses, strict=True)}
 
 
@@ -98,26 +109,41 @@ def _families(quick: str) -> list[Any]:
     return [pytest.param(f, marks=[] if f == quick else pytest.mark.slow) for f in FAMILIES]
 
 
-@pytest.mark.parametrize("family", _families(DEFAULT))
-def test_every_schedule_gives_the_one_process_run(
-    family: str, reference: Callable[[str], dict], tiny_dataset: str
-) -> None:
-    """pp 2 on 2 ranks, 4 micro-batches per step: 1F1B (with a checkpoint at step 3),
-    interleaved 1F1B with 2 stages per rank and zero-bubble V give the one-process losses,
-    gradient norms (over every stage) and step-term losses (an MoE's aux loss, summed over
-    the stages' blocks) within 1e-5; the 1F1B run's checkpoint holds the same keys and shapes
-    as the one-process run's."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    want = reference(family)
-    runs = {
+@pytest.fixture(scope="module")
+def pipelined(
+    reference: Callable[[str], dict], tiny_dataset: str
+) -> Callable[[str], dict[str, dict]]:
+    """`pipelined(family)`: pp 2 on 2 ranks with 1F1B (a checkpoint at step 3), interleaved
+    1F1B (2 stages per rank) and ZBV, in one spawn (once per module), beside the reference."""
+    runs: dict[str, dict[str, dict]] = {}
+    schedules = {
         "1f1b": ["--parallel.pp=2", "--checkpoint.interval=3"],
         "interleaved": ["--parallel.pp=2", "--parallel.pipeline.schedule=interleaved_1f1b"],
         "zbv": ["--parallel.pp=2", "--parallel.pipeline.schedule=zbv"],
     }
-    got = spawn(tiny_dataset, want["out"], family, 2, runs)
+
+    def run(family: str) -> dict[str, dict]:
+        if family not in runs:
+            runs[family] = spawn(tiny_dataset, reference(family)["out"], family, 2, schedules)
+        return runs[family]
+
+    return run
+
+
+@pytest.mark.parametrize("family", _families(DEFAULT))
+def test_every_schedule_gives_the_one_process_run(
+    family: str, reference: Callable[[str], dict], pipelined: Callable[[str], dict]
+) -> None:
+    """pp 2 on 2 ranks, 4 micro-batches per step: 1F1B, interleaved 1F1B with 2 stages per
+    rank and zero-bubble V give the one-process losses, gradient norms (over every stage),
+    step-term losses (an MoE's aux loss, summed over the stages' blocks), validation loss and
+    eval scores within 1e-5; the 1F1B run's checkpoint holds the same keys and shapes as the
+    one-process run's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    want, got = reference(family), pipelined(family)
     assert want["losses"][-1] < want["losses"][0] - 0.5, want["losses"]
-    for name in runs:
+    for name in ("1f1b", "interleaved", "zbv"):
         assert_same_run(got[name], want)
 
     def keys(run: str) -> dict[str, tuple]:
@@ -131,20 +157,19 @@ def test_every_schedule_gives_the_one_process_run(
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_pp_composes_and_resumes_across_pp_degrees(
-    family: str, reference: Callable[[str], dict], tiny_dataset: str
+    family: str,
+    reference: Callable[[str], dict],
+    pipelined: Callable[[str], dict],
+    tiny_dataset: str,
 ) -> None:
-    """On 4 ranks: pp 2 x dp_shard 2 (2 micro-batches per rank), pp 2 x tp 2, DualPipeV x
-    dp_shard 2, and the pp 2 run's step-3 checkpoint resumed at pp 4 and at pp 1 (FSDP 1x4),
-    give the one-process run; on 2 ranks, the one-process checkpoint resumed at pp 2."""
+    """On 4 ranks, in one spawn: pp 2 x dp_shard 2 (2 micro-batches per rank), pp 2 x tp 2,
+    DualPipeV x dp_shard 2 and (the default family) pp 2 x cp 2 give the one-process run; the
+    pp 2 run's step-3 checkpoint resumed at pp 4 and at pp 1 (FSDP 1x4), and the one-process
+    checkpoint at pp 2 x dp_shard 2, continue it."""
     want = reference(family)
     out = want["out"]
-    one = out / "one" / "checkpoints" / "step-3"
-    first = {"pp2": ["--parallel.pp=2", "--checkpoint.interval=3"],
-             "from_one": ["--parallel.pp=2", f"--checkpoint.resume={one}"]}  # fmt: skip
-    first = spawn(tiny_dataset, out, family, 2, first)
-    assert_same_run(first["pp2"], want)
-    assert_same_run(first["from_one"], want, slice(3, None))
-    step3 = out / "pp2" / "checkpoints" / "step-3"
+    pipelined(family)  # its 1F1B run saved step 3
+    one, step3 = (out / run / "checkpoints" / "step-3" for run in ("one", "1f1b"))
     runs = {
         "pp2_dp2": ["--parallel.pp=2"],
         "pp2_tp2": ["--parallel.pp=2", "--parallel.tp=2"],
@@ -153,20 +178,24 @@ def test_pp_composes_and_resumes_across_pp_degrees(
         "to_pp4": ["--parallel.pp=4", f"--checkpoint.resume={step3}",
                    "--train.micro_batch_size=1"],
         "to_pp1": [f"--checkpoint.resume={step3}", "--train.micro_batch_size=1"],
+        "from_one": ["--parallel.pp=2", f"--checkpoint.resume={one}"],
     }  # fmt: skip
+    if family == DEFAULT:
+        runs["pp2_cp2"] = ["--parallel.pp=2", "--parallel.cp=2"]
     got = spawn(tiny_dataset, out, family, 4, runs)
-    for name in ("pp2_dp2", "pp2_tp2", "dualpipev"):
-        assert_same_run(got[name], want)
-    for name in ("to_pp4", "to_pp1"):
+    for name in ("pp2_dp2", "pp2_tp2", "dualpipev", "pp2_cp2"):
+        if name in got:
+            assert_same_run(got[name], want)
+    for name in ("to_pp4", "to_pp1", "from_one"):
         assert_same_run(got[name], want, slice(3, None))
     # The Hugging Face export of the pp 2 checkpoint is the one-process checkpoint's.
     exported = {}
-    for run in ("pp2", "one"):
+    for run in ("1f1b", "one"):
         export_checkpoint(out / run / "checkpoints" / "step-3", out / f"hf_{run}", torch.float32)
         exported[run] = load_file(out / f"hf_{run}" / "model.safetensors")
-    assert exported["pp2"].keys() == exported["one"].keys()
+    assert exported["1f1b"].keys() == exported["one"].keys()
     for key, tensor in exported["one"].items():
-        torch.testing.assert_close(exported["pp2"][key], tensor, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(exported["1f1b"][key], tensor, rtol=1e-5, atol=1e-6)
 
 
 COMPOSED = {  # each against one process with the same settings
@@ -184,7 +213,7 @@ def test_pp_composes_with_the_trainers_features(
     """pp 2 gives the one-process run with full AC and LoRA, with a frozen block, document
     masking and the chunked loss, with Muon (ZBV: 2 stages per rank, its owners within each
     stage), from Hugging Face weights (each rank reads its stages' tensors), and compiled
-    (1F1B, against the plain reference); pp 2 x cp 2 on 4 ranks too."""
+    (1F1B, against the plain reference)."""
     want = reference(DEFAULT)
     hf = tmp_path / "hf"  # the reference's step 3, exported: a start from Hugging Face weights
     export_checkpoint(want["out"] / "one" / "checkpoints" / "step-3", hf, torch.float32)
@@ -197,8 +226,6 @@ def test_pp_composes_with_the_trainers_features(
     for name in composed:
         assert_same_run(got[name], alone[name])
     assert_same_run(got["compiled"], want)
-    cp = spawn(tiny_dataset, tmp_path, DEFAULT, 4, {"cp": ["--parallel.pp=2", "--parallel.cp=2"]})
-    assert_same_run(cp["cp"], want)
 
 
 # ---- config checks, before any collective -----------------------------------------------------
@@ -306,7 +333,7 @@ def test_probe_layout_of_every_family() -> None:
             assert layout.extras == [None] * 3
 
 
-def p2p_per_step(argvs: list[list[str]], ports: list[int]) -> list[float]:
+def p2p_per_step(argvs: list[list[str]], folder: str) -> list[float]:
     """Train each argv (as `train_many`) with every point-to-point send counted: the bytes
     this rank sent in the last step's schedule, for each argv."""
     import torch.distributed as dist
@@ -331,8 +358,8 @@ def p2p_per_step(argvs: list[list[str]], ports: list[int]) -> list[float]:
     c10d.isend = dist.isend = counting_isend
     parallel.pp.Pipeline.step = counted_step
     last = []
-    for argv, port in zip(argvs, ports, strict=True):
-        train_many([argv], [port])
+    for i, argv in enumerate(argvs):
+        train_many([argv], str(Path(folder) / str(i)))
         last.append(float(steps[-1]))
     return last
 
@@ -345,7 +372,9 @@ def test_planner_p2p_bytes_match_gloo(tiny_dataset: str, tmp_path: Path) -> None
     argvs = [run_argv(tiny_dataset, tmp_path, DEFAULT, s, "--model.n_layers=4",
                       "--model.tie_embeddings=false", "--train.steps=2", "--parallel.pp=2",
                       f"--parallel.pipeline.schedule={s}") for s in schedules]  # fmt: skip
-    got = run_distributed(p2p_per_step, 2, argvs, [_free_port() for _ in argvs], timeout=600)
+    for i in range(len(argvs)):
+        (tmp_path / str(i)).mkdir()
+    got = run_distributed(p2p_per_step, 2, argvs, str(tmp_path), timeout=600)
     hidden = 2 * 32 * 64 * 4  # micro-batch x seq_len x dim, float32
     for i, (schedule, v) in enumerate(schedules.items()):
         for rank in range(2):
