@@ -394,7 +394,7 @@ def setup(
     if plan.ep > 1:  # the experts split over groups of ep ranks inside dp_shard (x cp)
         fsdp_ranks = plan.dp_shard * plan.cp
         expert_mesh = build_expert_mesh(device, plan.dp_replicate, fsdp_ranks, plan.ep)
-    built = build_model(plan.family, plan.args, job, mesh, expert_mesh)
+    built = build_model(plan.family, plan.args, job, mesh, expert_mesh, list(plan.stage_sizes))
     model = built.model
     if env.rank == 0 and job.lora.enabled:
         logger.info("lora: rank %d, alpha %g on %d Linear layers (%s)", job.lora.rank,

@@ -59,7 +59,7 @@ from parallel.loss import check_chunked_loss
 from parallel.muon import MuonConfig, check_muon
 from parallel.plan import ModelShape, model_shape, plan_communication, plan_memory
 from parallel.pp import check_pp
-from parallel.pp_plan import describe, plan_pipeline
+from parallel.pp_plan import balanced_split, block_costs, describe, plan_pipeline
 from parallel.tp import check_tp
 
 logger = logging.getLogger("launch.check")
@@ -90,6 +90,8 @@ class Plan:
     """Context-parallel degree (parallel/cp.py): each sequence split over cp ranks."""
     pp: int = 1
     """Pipeline-parallel degree (parallel/pp.py): the outermost mesh dimension."""
+    stage_sizes: tuple[int, ...] = ()
+    """Blocks per pipeline stage: parallel.pipeline.split, or balanced by the planner."""
     sources: tuple[DataSource, ...] = ()
     """The training sources (data.path, or the data.sources mixture), sorted by name."""
     tasks: tuple[Task, ...] = ()
@@ -151,6 +153,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     built = build_model(family, args, job)
     meta_model = built.model
     check_pp(job.parallel, job.compile.enabled, family, meta_model, accum)
+    stage_sizes = pipeline_split(job, family, args)
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
     # or unwritable path) surface here too, before anything could hang on them.
     shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
@@ -184,8 +187,18 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     return Plan(
         family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes),
         tp=job.parallel.tp, ep=job.parallel.ep, cp=job.parallel.cp, pp=job.parallel.pp,
-        sources=sources, tasks=tasks,
+        stage_sizes=stage_sizes, sources=sources, tasks=tasks,
     )  # fmt: skip
+
+
+def pipeline_split(job: JobConfig, family: ModelFamily, args: Any) -> tuple[int, ...]:
+    """Blocks per pipeline stage (pp > 1): the setting, or balanced by the planner's cost of
+    each block (parallel/pp_plan.py); () without pp."""
+    cfg, pp = job.parallel.pipeline, job.parallel.pp
+    if pp == 1 or cfg.split:
+        return tuple(cfg.split)
+    costs, output = block_costs(model_shape(family, args), job.data.seq_len)
+    return tuple(balanced_split(costs, output, pp * cfg.local_stages()))
 
 
 def unintended_settings(job: JobConfig) -> list[str]:

@@ -113,10 +113,12 @@ def build_model(
     job: JobConfig,
     mesh: DeviceMesh | None = None,
     expert_mesh: DeviceMesh | None = None,
+    stage_sizes: list[int] | None = None,
 ) -> BuiltModel:
     """The model of `family` with `args`, built on meta and, given the (dp_replicate,
     dp_shard, cp, tp) `mesh` (and, for expert parallel, the expert mesh), parallelized as it will
-    train, in the module docstring's order. Materialize it with `model.to_empty`."""
+    train, in the module docstring's order. Materialize it with `model.to_empty`.
+    `stage_sizes`: blocks per pipeline stage (pp > 1; launch.check `Plan.stage_sizes`)."""
     import torch
 
     with torch.device("meta"):
@@ -131,8 +133,8 @@ def build_model(
     # 1b. The pipeline split: this rank's stages, each a copy of the model on meta holding its
     # blocks (parallel/pp_split.py); steps 2-6 then run on each stage as on a whole model.
     pp_rank = mesh["pp"].get_local_rank()
-    built.stages = split_model(model, family, job.parallel.pipeline, pp, pp_rank,
-                               job.data.seq_len)  # fmt: skip
+    sizes = stage_sizes or list(job.parallel.pipeline.split)  # launch.check chose them
+    built.stages = split_model(model, family, job.parallel.pipeline, pp, pp_rank, sizes)
     for stage in built.stages:
         stage.terms = _parallelize(built, stage.model, stage.family, job, mesh, meshes,
                                    expert_mesh)  # fmt: skip

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from configs import ConfigError
-from parallel.pp_plan import PipelineConfig
+from parallel.pp_config import PipelineConfig
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from configs import ConfigError
-from parallel.pp_plan import PipelineConfig, balanced_split, block_costs, stage_ranks
+from parallel.pp_config import PipelineConfig, stage_ranks
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -201,26 +201,14 @@ class StageFamily:
         return {p: kind for p, kind in plan.items() if any(_matches(n, p) for n in real)}
 
 
-def stage_split(model: nn.Module, family: ModelFamily, cfg: PipelineConfig, pp: int,
-                seq_len: int) -> list[int]:  # fmt: skip
-    """Blocks per stage: parallel.pipeline.split, or balanced by the planner's cost of each
-    block with the output projection's on the last stage (parallel/pp_plan.py)."""
-    if cfg.split:
-        return list(cfg.split)
-    from parallel.plan import model_shape  # the planner reads the model on meta too
-
-    costs, output = block_costs(model_shape(family, model.args), seq_len)
-    return balanced_split(costs, output, pp * cfg.local_stages())
-
-
 def split_model(
     model: nn.Module, family: ModelFamily, cfg: PipelineConfig, pp: int, pp_rank: int,
-    seq_len: int,
+    sizes: list[int],
 ) -> list[Stage]:  # fmt: skip
     """This rank's stages of `model` (on meta), each a copy with the other stages' blocks
-    skipped and the embeddings (the output side) passed through outside the first (last)."""
+    skipped and the embeddings (the output side) passed through outside the first (last).
+    `sizes`: blocks per stage (launch.check's `stage_sizes`: the setting, or balanced)."""
     layout = probe_layout(model, family)
-    sizes = stage_split(model, family, cfg, pp, seq_len)
     owners = stage_ranks(pp, len(sizes) // pp, cfg.schedule)
     starts = [sum(sizes[:s]) for s in range(len(sizes))]
     stages = []
