@@ -83,6 +83,7 @@ from parallel.fsdp import assign_local_shard, reshard_plan
 from parallel.lora import adapter_names, init_lora
 from parallel.loss import ChunkedLoss
 from parallel.muon import Muon, muon_groups
+from parallel.pp import Pipeline
 from parallel.runtime import (
     build_mesh,
     dp_rank_and_size,
@@ -175,18 +176,21 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 
 def summed_loss(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Pipeline,
     batch: MicroBatch,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """The model's summed loss on one micro-batch (`loss_fn`: possibly the compiled one; a
     `ChunkedLoss` takes the final hidden states and projects them itself, a chunk at a time).
     At tp > 1 call it under `loss_context`: the loss is then a DTensor holding the whole value
-    on every tp rank, returned as a plain tensor (its backward still runs through DTensor)."""
+    on every tp rank, returned as a plain tensor (its backward still runs through DTensor).
+    A `Pipeline` (evaluation under pp) returns None on a rank without the last stage."""
     # Only when chunking: a family without `hidden_only` keeps working unchunked.
     chunked = {"hidden_only": True} if isinstance(loss_fn, ChunkedLoss) else {}
     out = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions,
                 **chunked)  # fmt: skip
+    if out is None:
+        return None
     loss = loss_fn(out, batch.targets)
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
@@ -262,6 +266,8 @@ class Run:
     """Steps in a row whose update the non-finite policy skipped."""
     heartbeat: Heartbeat = field(default_factory=lambda: Heartbeat(Path(), 0, 0))
     """Where this rank is (step, phase), for the others to read (launch/health.py)."""
+    pipeline: Pipeline | None = None
+    """Under pipeline parallel (parallel.pp > 1): this rank's stages on their schedule."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -295,7 +301,7 @@ def _train(
     node was lost (the step in flight saved)."""
     torch.manual_seed(job.train.seed)
     torch.use_deterministic_algorithms(job.train.deterministic)
-    mesh = build_mesh(device, plan.dp_replicate, plan.dp_shard, plan.tp, plan.cp)
+    mesh = build_mesh(device, plan.dp_replicate, plan.dp_shard, plan.tp, plan.cp, plan.pp)
     run_dir = Path(job.run.output_dir) / job.run.name
     ckpt_folder = checkpoint_folder(job.checkpoint, run_dir)
     config_toml = config_to_toml(job)
@@ -388,22 +394,27 @@ def setup(
     if plan.ep > 1:  # the experts split over groups of ep ranks inside dp_shard (x cp)
         fsdp_ranks = plan.dp_shard * plan.cp
         expert_mesh = build_expert_mesh(device, plan.dp_replicate, fsdp_ranks, plan.ep)
-    built = build_model(plan.family, plan.args, job, mesh, expert_mesh)
+    built = build_model(plan.family, plan.args, job, mesh, expert_mesh, list(plan.stage_sizes))
     model = built.model
     if env.rank == 0 and job.lora.enabled:
         logger.info("lora: rank %d, alpha %g on %d Linear layers (%s)", job.lora.rank,
                     job.lora.alpha, len(built.adapted), ", ".join(job.lora.targets))  # fmt: skip
-    model.to_empty(device=device)
+    for part in built.parts:  # the model, or each pipeline stage (each its own FSDP root)
+        part.to_empty(device=device)
     t = job.train
     if job.checkpoint.init_from_hf and plan.resume is None:
         mapping = get_hf_mapping(job.model.name)  # checked by check_config
         hf_dir, adapters = job.checkpoint.init_from_hf, adapter_names(model)
-        loaded = load_hf_weights(model, mapping, hf_dir, job.data.seq_len, exclude=adapters)
+        loaded = load_hf_weights(model, mapping, hf_dir, job.data.seq_len, exclude=adapters,
+                                 partial=bool(built.stages))  # fmt: skip
+        for stage in built.stages:  # each stage's own RoPE table (`model` gathers no buffers)
+            stage.model.init_buffers(job.data.seq_len)
         if env.rank == 0:  # log_orientation leaves this start to here, where the count is known
             logger.info("starting at step 0 of %d from the Hugging Face weights in %s: %d "
                         "tensors loaded", t.steps, hf_dir, loaded)  # fmt: skip
     else:  # random init, also when a checkpoint is about to overwrite it (it sets the RoPE table)
-        model.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
+        for part in built.parts:
+            part.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
     # LoRA's adapters by their own rule, on the base weights from either: B = 0, so the model
     # starts as the base model, exactly.
     init_lora(model, t.seed, assign_local_shard)
@@ -434,8 +445,11 @@ def setup(
     resharded = reshard_plan(units, p.reshard_after_forward, plan.dp_shard * plan.cp,
                              p.cpu_offload)  # fmt: skip
     keep_gathered = plan.grad_accum_steps > 1 and not any(resharded)
+    pipeline = None
+    if built.stages:  # the step's micro-batches through this rank's stages (parallel/pp.py)
+        pipeline = Pipeline(built.stages, mesh["pp"], device, p.pipeline, plan.grad_accum_steps)
     return Run(job, plan, env, built, loss_fn, optimizer, scheduler, device, dp_rank, dp_size,
-               to_batch, keep_gathered=keep_gathered)  # fmt: skip
+               to_batch, keep_gathered=keep_gathered, pipeline=pipeline)  # fmt: skip
 
 
 def train_step(
@@ -455,6 +469,45 @@ def train_step(
     started = synchronized_time(global_tokens.device) if timed else 0.0
     dist.all_reduce(global_tokens)
     wait_s = synchronized_time(global_tokens.device) - started if timed else 0.0
+    if run.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
+        with loss_context(tp):
+            loss_sum, stats = run.pipeline.step(
+                micro_batches, run.loss_fn, global_tokens, dp_size * cp * tp, dp_size * cp,
+                t.global_batch_size, partial(run.heartbeat.beat, step),
+            )  # fmt: skip
+        run.heartbeat.beat(step, "optimizer")
+    else:
+        loss_sum, stats = accumulate(run, micro_batches, global_tokens, step)
+    grad_norm = clip_grad_norm(model, t.max_grad_norm, run.pipeline)
+    # The stop flags (asked to stop; a launcher died) and the model's statistics ride on the
+    # loss all-reduce: every rank stops after the same step, also one that the signal did not
+    # reach, with no extra collective.
+    flags = torch.tensor([float(stop), float(node_lost)], device=loss_sum.device)
+    summed = torch.cat([loss_sum.view(1), flags,
+                        stats if stats is not None else loss_sum.new_zeros(0)])  # fmt: skip
+    dist.all_reduce(summed)
+    # One device-to-host copy for the four values every rank needs now.
+    needed = torch.cat([summed[:3], grad_norm.view(1)]).tolist()
+    loss_value, stop_value, lost_value, norm_value = needed
+    if math.isfinite(loss_value) and math.isfinite(norm_value):
+        run.optimizer.step()
+        run.skipped_in_a_row = 0
+    else:
+        non_finite(run, loss_value, norm_value)
+    # Every tp rank added the same statistics: / tp.
+    scalars = run.built.after_step(summed[3:] / tp if stats is not None else None, log)
+    run.optimizer.zero_grad(set_to_none=True)
+    lr = run.optimizer.param_groups[0]["lr"]
+    run.scheduler.step()
+    return StepResult(loss_value, norm_value, lr, stop_value > 0, lost_value > 0, scalars, wait_s)
+
+
+def accumulate(
+    run: Run, micro_batches: list[MicroBatch], global_tokens: torch.Tensor, step: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward and backward of each micro-batch in turn, gradients accumulated; returns this
+    rank's share of the step's loss and the model's step statistics (summed)."""
+    model, t, tp, cp, dp_size = run.model, run.job.train, run.plan.tp, run.plan.cp, run.dp_size
     loss_sum = torch.zeros((), device=global_tokens.device)
     stats = None  # the model's step statistics, summed over micro-batches
     for i, batch in enumerate(micro_batches):
@@ -483,28 +536,7 @@ def train_step(
             objective.backward()
         loss_sum += loss.detach()
         run.heartbeat.beat(step, "forward" if not last else "optimizer")
-    grad_norm = clip_grad_norm(model, t.max_grad_norm)
-    # The stop flags (asked to stop; a launcher died) and the model's statistics ride on the
-    # loss all-reduce: every rank stops after the same step, also one that the signal did not
-    # reach, with no extra collective.
-    flags = torch.tensor([float(stop), float(node_lost)], device=loss_sum.device)
-    summed = torch.cat([loss_sum.view(1), flags,
-                        stats if stats is not None else loss_sum.new_zeros(0)])  # fmt: skip
-    dist.all_reduce(summed)
-    # One device-to-host copy for the four values every rank needs now.
-    needed = torch.cat([summed[:3], grad_norm.view(1)]).tolist()
-    loss_value, stop_value, lost_value, norm_value = needed
-    if math.isfinite(loss_value) and math.isfinite(norm_value):
-        run.optimizer.step()
-        run.skipped_in_a_row = 0
-    else:
-        non_finite(run, loss_value, norm_value)
-    # Every tp rank added the same statistics: / tp.
-    scalars = run.built.after_step(summed[3:] / tp if stats is not None else None, log)
-    run.optimizer.zero_grad(set_to_none=True)
-    lr = run.optimizer.param_groups[0]["lr"]
-    run.scheduler.step()
-    return StepResult(loss_value, norm_value, lr, stop_value > 0, lost_value > 0, scalars, wait_s)
+    return loss_sum, stats
 
 
 def synchronized_time(device: torch.device) -> float:
@@ -621,7 +653,11 @@ def loop(
 
 def throughput_meter(run: Run) -> ThroughputMeter:
     job = run.job
-    flops = run.plan.family.flops_per_token(run.model, job.data.seq_len)
+    model = run.model
+    if run.pipeline is not None:  # the whole model's FLOPs per token, not this rank's stages'
+        with torch.device("meta"):
+            model = run.plan.family.build_model(run.plan.args)
+    flops = run.plan.family.flops_per_token(model, job.data.seq_len)
     # The peak MFU is measured against (none is listed for fp32: set metrics.peak_tflops).
     precision = "fp8" if job.fp8.enabled else {"bfloat16": "bf16"}.get(job.parallel.param_dtype)
     peak = peak_tflops(run.device, precision, job.metrics.peak_tflops)
@@ -638,7 +674,7 @@ def validate(run: Run, metrics: MetricsLogger, step: int) -> tuple[float, dict[s
         n_val = job.train.eval_batches * plan.grad_accum_steps
         with loss_context(plan.tp):
             val_losses[f"loss/val/{source.name}"] = evaluate(
-                run.model, val, n_val, run.to_batch, run.loss_fn
+                run.pipeline or run.model, val, n_val, run.to_batch, run.loss_fn
             )
     val_loss = sum(val_losses.values()) / len(val_losses)
     scores = score_tasks(run)
@@ -673,8 +709,10 @@ def task_logliks(run: Run, task: Task) -> torch.Tensor:
         # document masking (each request starts after an EOS, as a document does).
         batch = run.to_batch(inputs, targets)
         with loss_context(plan.tp):
-            logits = run.model(batch.inputs, document_ids=batch.document_ids,
-                               positions=batch.positions)  # fmt: skip
+            logits = (run.pipeline or run.model)(batch.inputs, document_ids=batch.document_ids,
+                                                 positions=batch.positions)  # fmt: skip
+            if logits is None:  # under pp, a rank without the last stage: it adds nothing
+                continue
             nll = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(),
                                   reduction="none")  # fmt: skip
         nll = nll.full_tensor() if isinstance(nll, DTensor) else nll
@@ -687,11 +725,14 @@ def task_logliks(run: Run, task: Task) -> torch.Tensor:
     return (logliks / plan.tp).cpu()
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    model: torch.nn.Module, max_norm: float, pipeline: Pipeline | None = None
+) -> torch.Tensor:
     """Clip by the true global norm: the norm of DTensor gradients reduces over all shards
     (and is the same on every replica), unlike a norm of the local shard. Frozen parameters
     have no gradient: the norm is over the trainable ones. Gradients on different meshes (the
-    experts under expert parallel) are reduced per mesh, then combined."""
+    experts under expert parallel) are reduced per mesh, then combined; under pipeline
+    parallel, over every stage."""
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
     by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
@@ -702,6 +743,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         # A DTensor: materialize the reduced value.
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    norm = pipeline.total_norm(norm) if pipeline is not None else norm
     if max_norm > 0:
         for group in by_mesh.values():  # one foreach kernel per mesh, as for the norm
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
@@ -731,20 +773,23 @@ def build_loader(
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Pipeline,
     loader: Iterable,
     micro_batches: int,
     to_batch: Callable[[torch.Tensor, torch.Tensor], MicroBatch],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
 ) -> float:
     """Mean loss per target token over the first `micro_batches` of a validation loader, over
-    all data-parallel ranks. `to_batch`: as in training (device, document masking)."""
+    all data-parallel ranks. `to_batch`: as in training (device, document masking). Under pp
+    (`model` a Pipeline) the ranks of the last stage count the losses and targets."""
     batches = iter(loader)
     losses, targets = [], []
     for _ in range(micro_batches):
         batch = to_batch(*next(batches))
-        losses.append(summed_loss(model, batch, loss_fn))
-        targets.append((batch.targets != -100).sum())
+        loss = summed_loss(model, batch, loss_fn)
+        counted = loss is not None  # under pp, only on the last stage's ranks
+        losses.append(loss if counted else torch.zeros((), device=batch.targets.device))
+        targets.append((batch.targets != -100).sum() * counted)
     totals = torch.stack([torch.stack(losses).sum(), torch.stack(targets).sum().float()])
     dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()

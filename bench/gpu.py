@@ -8,6 +8,7 @@
     python bench/gpu.py --suite finetune    # 1B at 8k: full vs half frozen vs LoRA rank 16
     python bench/gpu.py --suite moe     # 4 layers of Qwen3-30B-A3B, grouped GEMM: eager, compile
     python bench/gpu.py --suite cp      # 2+ GPUs: 1B at 32k and 64k, cp = GPUs, chunked loss
+    python bench/gpu.py --suite pp      # 2+ GPUs: 1B at 8k, pp = GPUs: schedules against FSDP
     python bench/gpu.py --suite muon    # 1B at 8k: AdamW vs Muon (bf16 and fp32 Newton-Schulz)
     python bench/gpu.py --suite loss    # 1B at 8k, vocab 128,256: the whole loss vs chunks of 4096
     python bench/gpu.py --suite lora-fp8    # 1B LoRA rank 16 at vocab 2048: bf16 vs fp8
@@ -209,6 +210,29 @@ SUITES = {
             "bf16 compile 64k": ["--data.seq_len=65536"],
             "bf16 compile 64k chunked loss": ["--data.seq_len=65536", *CHUNKED_LOSS],
         },
+    },
+    # Issue #42 (pipeline parallel): the 1B flavor at 8k in bf16 with 16 micro-batches of one
+    # sequence per step, cut into pp = GPUs stages ("split"), each schedule against FSDP over the
+    # same GPUs at the same global batch (pp 1, the case's own setting wins). Eager: the
+    # zero-bubble schedules refuse compiled blocks.
+    "pp": {
+        "model": [
+            "--model.flavor=1B",
+            *SEQ,
+            "--train.micro_batch_size=1",
+            "--train.global_batch_size=16",
+        ],
+        "all_gpus": True,
+        "split": "--parallel.pp",
+        "baseline": "bf16 fsdp",
+        "cases": {
+            "bf16 fsdp": ["--parallel.pp=1"],
+            "bf16 1f1b": ["--parallel.pipeline.schedule=1f1b"],
+            "bf16 interleaved 1f1b": ["--parallel.pipeline.schedule=interleaved_1f1b"],
+            "bf16 zbv": ["--parallel.pipeline.schedule=zbv"],
+        },
+        # --smoke on 2 ranks: micro-batches of one, four per step (ZBV needs 2 x pp).
+        "smoke": ["--train.micro_batch_size=1", "--train.global_batch_size=4"],
     },
 }
 SMOKE_MODEL = ["--model.flavor=debug", "--data.seq_len=128", "--train.micro_batch_size=2"]
@@ -475,11 +499,14 @@ def main(argv: list[str] | None = None) -> int:
         # own arguments so that its short sequences win over a case's sequence length.
         smoke = [*SMOKE_MODEL, *SUITES[suite].get("smoke", [])]
         model = [] if opts.smoke else SUITES[suite]["model"]
-        split = [f"--parallel.cp={ranks[suite]}"] if SUITES[suite].get("all_gpus") else []
+        # The split over all GPUs: cp by default, or the suite's own dimension (pp); a case's
+        # own setting of it comes after, and wins.
+        dim = SUITES[suite].get("split", "--parallel.cp")
+        split = [f"{dim}={ranks[suite]}"] if SUITES[suite].get("all_gpus") else []
         for name, args in SUITES[suite]["cases"].items():
             if opts.cases and not re.search(opts.cases, f"{suite}: {name}"):
                 continue
-            args = [*model, *args, *split, *(smoke if opts.smoke else [])]
+            args = [*model, *split, *args, *(smoke if opts.smoke else [])]
             key = (tuple(args), ranks[suite])
             if same := done.get(key):  # the same command already ran: its numbers, not a rerun
                 report["results"].append(

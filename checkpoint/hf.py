@@ -252,10 +252,13 @@ def load_hf_weights(
     hf_dir: str | Path,
     rope_len: int | None = None,
     exclude: Collection[str] = (),
+    partial: bool = False,
 ) -> int:
     """Fill every parameter of `model` from a local HF safetensors directory, except those
     whose canonical names are in `exclude` (LoRA's adapters: not part of the base model).
     Returns how many of the directory's tensors the model holds (each rank reads its slices).
+    `partial`: the model is part of the whole (a pipeline rank's stages, parallel/pp.py): the
+    directory's other tensors are other stages', not unexpected.
 
     A drop-in for `model.init_weights(seed, rope_len, assign)`: it also calls
     `model.init_buffers(rope_len)` (the RoPE table, ties).
@@ -277,7 +280,7 @@ def load_hf_weights(
             for file in set(files.values())
         }
         slices = {key: handles[files[key]].get_slice(key) for key in tensors if key in files}
-        _check_tensors(hf_dir, tensors, slices, set(files) - set(tensors))
+        _check_tensors(hf_dir, tensors, slices, set() if partial else set(files) - set(tensors))
         for name, param in model.named_parameters():
             ranges = local_ranges(param)
             if ranges is None or canonical_name(name) in exclude:

@@ -115,6 +115,14 @@ class OptimizerState(Stateful):
         return plain_tensors(get_optimizer_state_dict(self.model, self.optimizer))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Under pipeline parallel each rank's groups list its own stages' parameters (a middle
+        # stage's may have none), and DCP keeps one rank's copy of this plain object. A rank
+        # whose parameters it does not name takes its own groups: their settings are the
+        # config's, set again after loading anyway (train.py, apply_optimizer_config).
+        own = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
+        named = {name for group in state_dict["param_groups"] for name in group["params"]}
+        if any(name not in named for group in own for name in group["params"]):
+            state_dict["param_groups"] = own
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
 
 

@@ -58,7 +58,15 @@ from parallel.float8 import Float8Config, check_float8, unmatched_skips
 from parallel.graph_fsdp import check_graph_fsdp
 from parallel.loss import check_chunked_loss
 from parallel.muon import MuonConfig, check_muon
-from parallel.plan import graph_buckets, model_shape, plan_communication, plan_memory
+from parallel.plan import (
+    ModelShape,
+    graph_buckets,
+    model_shape,
+    plan_communication,
+    plan_memory,
+)
+from parallel.pp import check_pp
+from parallel.pp_plan import balanced_split, block_costs, describe, plan_pipeline
 from parallel.tp import check_tp
 
 logger = logging.getLogger("launch.check")
@@ -87,6 +95,10 @@ class Plan:
     """Expert-parallel degree (parallel/ep.py): groups of ep ranks inside dp_shard."""
     cp: int = 1
     """Context-parallel degree (parallel/cp.py): each sequence split over cp ranks."""
+    pp: int = 1
+    """Pipeline-parallel degree (parallel/pp.py): the outermost mesh dimension."""
+    stage_sizes: tuple[int, ...] = ()
+    """Blocks per pipeline stage: parallel.pipeline.split, or balanced by the planner."""
     sources: tuple[DataSource, ...] = ()
     """The training sources (data.path, or the data.sources mixture), sorted by name."""
     tasks: tuple[Task, ...] = ()
@@ -148,6 +160,8 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     # nothing (lora.targets, train.freeze) fail here.
     built = build_model(family, args, job)
     meta_model = built.model
+    check_pp(job.parallel, job.compile.enabled, family, meta_model, accum)
+    stage_sizes = pipeline_split(job, family, args)
     # Checkpoint problems (wrong shapes, a data position this mesh cannot continue, a missing
     # or unwritable path) surface here too, before anything could hang on them.
     shapes = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
@@ -180,9 +194,19 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     dataset = sources[0].index if sources else None
     return Plan(
         family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes),
-        tp=job.parallel.tp, ep=job.parallel.ep, cp=job.parallel.cp, sources=sources,
-        tasks=tasks,
+        tp=job.parallel.tp, ep=job.parallel.ep, cp=job.parallel.cp, pp=job.parallel.pp,
+        stage_sizes=stage_sizes, sources=sources, tasks=tasks,
     )  # fmt: skip
+
+
+def pipeline_split(job: JobConfig, family: ModelFamily, args: Any) -> tuple[int, ...]:
+    """Blocks per pipeline stage (pp > 1): the setting, or balanced by the planner's cost of
+    each block (parallel/pp_plan.py); () without pp."""
+    cfg, pp = job.parallel.pipeline, job.parallel.pp
+    if pp == 1 or cfg.split:
+        return tuple(cfg.split)
+    costs, output = block_costs(model_shape(family, args), job.data.seq_len)
+    return tuple(balanced_split(costs, output, pp * cfg.local_stages()))
 
 
 def unintended_settings(job: JobConfig) -> list[str]:
@@ -271,49 +295,66 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     printed; nothing is trained and no data is needed."""
     shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
     muon = job.optim.muon.ns_dtype if job.optim.name == "muon" else None
-    graph = job.compile.fsdp == "graph"
+    pipelined = plan.pp > 1
+    graph = job.compile.fsdp == "graph"  # refused with pp > 1 (check_graph_fsdp)
     p = job.parallel
     buckets = graph_buckets(shape, plan.dp_shard * plan.cp, p.param_dtype, p.reduce_dtype,
                             job.compile.bucket_mb) if graph else None  # fmt: skip
-    mem = plan_memory(
-        shape,
-        plan.dp_shard,
-        job.train.micro_batch_size,
-        job.data.seq_len,
-        job.parallel.param_dtype,
-        job.ac.mode,
-        job.ac.every,
-        job.parallel.reshard_after_forward,
-        job.parallel.cpu_offload,
-        compiled_loss=job.compile.enabled and job.compile.loss and job.parallel.tp == 1,
-        tp=plan.tp,
-        ep=plan.ep,
-        cp=plan.cp,
-        loss_chunk_tokens=job.train.loss_chunk_tokens,
-        muon_dtype=muon,
-        graph_bucket_bytes=max(buckets.all_gather) if buckets else None,
-    )
-    comm = plan_communication(
-        shape,
-        plan.dp_replicate,
-        plan.dp_shard,
-        job.parallel.param_dtype,
-        job.parallel.reduce_dtype,
-        reshard_after_forward=job.parallel.reshard_after_forward,
-        grad_accum_steps=plan.grad_accum_steps,
-        cpu_offload=job.parallel.cpu_offload,
-        tp=plan.tp,
-        tokens=job.train.micro_batch_size * job.data.seq_len,
-        ac_mode=job.ac.mode,
-        ac_every=job.ac.every,
-        ep=plan.ep,
-        cp=plan.cp,
-        muon_dtype=muon,
-        graph_fsdp=graph,
-    )
+
+    def memory(shape: ModelShape, last: bool = True) -> dict[str, float]:
+        mem = plan_memory(
+            shape,
+            plan.dp_shard,
+            job.train.micro_batch_size,
+            job.data.seq_len,
+            job.parallel.param_dtype,
+            job.ac.mode,
+            job.ac.every,
+            job.parallel.reshard_after_forward,
+            job.parallel.cpu_offload,
+            compiled_loss=job.compile.enabled and job.compile.loss and job.parallel.tp == 1,
+            tp=plan.tp,
+            ep=plan.ep,
+            cp=plan.cp,
+            loss_chunk_tokens=job.train.loss_chunk_tokens,
+            muon_dtype=muon,
+            pipelined=pipelined,
+            graph_bucket_bytes=max(buckets.all_gather) if buckets else None,
+        )
+        return mem if last else mem | {"logits": 0.0}  # under pp, the last stage's
+
+    def communication(shape: ModelShape) -> dict[str, dict[str, float]]:
+        return plan_communication(
+            shape,
+            plan.dp_replicate,
+            plan.dp_shard,
+            job.parallel.param_dtype,
+            job.parallel.reduce_dtype,
+            reshard_after_forward=job.parallel.reshard_after_forward,
+            grad_accum_steps=plan.grad_accum_steps,
+            cpu_offload=job.parallel.cpu_offload,
+            tp=plan.tp,
+            tokens=job.train.micro_batch_size * job.data.seq_len,
+            ac_mode=job.ac.mode,
+            ac_every=job.ac.every,
+            ep=plan.ep,
+            cp=plan.cp,
+            muon_dtype=muon,
+            pipelined=pipelined,
+            graph_fsdp=graph,
+        )
+
+    mem, comm, pipeline = memory(shape), communication(shape), None
+    if pipelined:  # the pp rank with the most memory: its stages, activations in flight
+        mem, comm, pipeline = plan_pipeline(
+            shape, job.parallel.pipeline, plan.pp, plan.grad_accum_steps,
+            job.train.micro_batch_size, job.data.seq_len, memory, communication,
+            job.parallel.param_dtype, plan.tp, plan.cp,
+        )  # fmt: skip
     print(config_to_toml(job))
     print(
-        f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard}"
+        f"# mesh: {f'pp={plan.pp} x ' if pipelined else ''}dp_replicate={plan.dp_replicate} x "
+        f"dp_shard={plan.dp_shard}"
         + (f" x cp={plan.cp}" if plan.cp > 1 else "")
         + (f" x tp={plan.tp}" if plan.tp > 1 else "")
         + (f" (ep={plan.ep} inside dp_shard{' x cp' * (plan.cp > 1)})" if plan.ep > 1 else "")
@@ -330,10 +371,13 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         print(f"# data: {where} not found (a dry run does not need it; training does)")
     if plan.resume is not None:
         print(f"# resume: {plan.resume.path} (step {plan.resume.step})")
+    if pipeline is not None:
+        print(f"# {describe(pipeline, plan.pp, plan.grad_accum_steps)}")
     mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
     mesh += f" (dp_shard x CP{plan.cp})" if plan.cp > 1 else ""
     mesh += f" TP{plan.tp}" if plan.tp > 1 else ""
     mesh += f" EP{plan.ep}" if plan.ep > 1 else ""
+    mesh = f"PP{plan.pp} " + mesh if pipelined else mesh
     print("\n".join(f"# {line}" for line in format_plan({mesh: (mem, comm)})))
 
 

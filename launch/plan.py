@@ -24,6 +24,7 @@ from model import ModelConfig, get_family
 from parallel.float8 import Float8Config
 from parallel.lora import LoRAConfig
 from parallel.plan import BYTES, ModelShape, model_shape, plan_communication, plan_memory
+from parallel.pp_plan import SCHEDULES, PipelineConfig, plan_pipeline
 
 
 def comm_seconds(
@@ -35,7 +36,8 @@ def comm_seconds(
     shard = sum(comm["dp_shard"].values()) / shard_bw
     shard += sum(comm.get("expert_shard", {}).values()) / shard_bw
     inside = sum(sum(comm.get(dim, {}).values()) for dim in ("tp", "cp", "ep"))
-    return shard + sum(comm["dp_replicate"].values()) / replicate_bw + inside / tp_bw
+    across = sum(comm["dp_replicate"].values()) + sum(comm.get("pp", {}).values())  # nodes
+    return shard + across / replicate_bw + inside / tp_bw
 
 
 def _size(nbytes: float) -> str:
@@ -69,6 +71,7 @@ def format_plan(
         ("ep", "all_to_all"),
         ("dp_shard", "all_to_all"),  # Muon's owners (optim.name="muon")
         ("tp", "all_to_all"),
+        ("pp", "send_recv"),  # pipeline parallel's activations and their gradients
     ):
         if not any(coll in comm.get(dim, {}) for _, comm in columns.values()):
             continue  # cp's, expert parallel's and Muon's rows, for a column that has them
@@ -100,6 +103,22 @@ def _parser() -> argparse.ArgumentParser:
                    "compare (FSDP over dp_shard x cp, cp inside a node)")  # fmt: skip
     p.add_argument("--ep", type=int, nargs="*", default=[], help="EP degrees to compare "
                    "(mixture of experts: FSDP over all GPUs, EP inside a node)")  # fmt: skip
+    p.add_argument(
+        "--pp",
+        type=int,
+        nargs="*",
+        default=[],
+        help="pipeline-parallel degrees to "
+        "compare (stages across nodes; FSDP, and TP inside a node, per stage)",
+    )
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=list(SCHEDULES),
+        help="parallel.pipeline.schedule (with --pp)",
+    )
+    p.add_argument("--tflops", type=float, default=400, help="achieved TFLOP/s per GPU: "
+                   "what a pipeline bubble costs in seconds (with --pp)")  # fmt: skip
     p.add_argument("--freeze", nargs="*", default=[], help="train.freeze patterns")
     p.add_argument("--loss-chunk-tokens", type=int, default=0, help="train.loss_chunk_tokens "
                    "(0: the whole sequence's logits at once; not with TP)")  # fmt: skip
@@ -144,6 +163,52 @@ def _meshes(a: argparse.Namespace, shape: ModelShape) -> dict[str, tuple[int, in
     return meshes
 
 
+def _pipeline_columns(
+    a: argparse.Namespace,
+    shape: ModelShape,
+    columns: dict[str, tuple[dict, dict]],
+    seconds: dict[str, float],
+) -> dict[str, str]:
+    """Add a column per --pp degree (FSDP over each stage's GPUs, and with each --tp inside a
+    node): the pp rank with the most memory (parallel/pp_plan.py). Its seconds add the bubble,
+    the idle share of a step whose compute takes 6 x active parameters x tokens / --tflops.
+    Returns each column's bubble, as text."""
+    world, bubbles = a.nodes * a.gpus_per_node, {}
+    compute = 6 * shape.active_numel() * a.batch * a.seq_len * a.grad_accum / (a.tflops * 1e12)
+    for pp in a.pp:
+        for tp in [1, *(t for t in a.tp if t > 1 and a.gpus_per_node % t == 0)]:
+            if pp < 2 or world % (pp * tp) or shape.n_layers < pp:
+                continue
+            shard, micro = world // (pp * tp), a.grad_accum * tp * pp  # the same global batch
+            name = f"PP{pp} FSDP 1x{shard}" + (f" TP{tp}" if tp > 1 else "")
+
+            def memory(part: ModelShape, last: bool, tp: int = tp, shard: int = shard) -> dict:
+                mem = plan_memory(part, shard, a.batch, a.seq_len, a.param_dtype, a.ac,
+                                  a.ac_every, a.reshard, tp=tp, pipelined=True,
+                                  loss_chunk_tokens=a.loss_chunk_tokens)  # fmt: skip
+                return mem if last else mem | {"logits": 0.0}
+
+            def communication(
+                part: ModelShape, tp: int = tp, shard: int = shard, micro: int = micro
+            ) -> dict:
+                return plan_communication(
+                    part, 1, shard, a.param_dtype, a.reduce_dtype, a.reshard, micro, tp=tp,
+                    tokens=a.batch * a.seq_len, ac_mode=a.ac, ac_every=a.ac_every,
+                    pipelined=True,
+                )  # fmt: skip
+
+            cfg = PipelineConfig(schedule=a.schedule)
+            mem, comm, terms = plan_pipeline(shape, cfg, pp, micro, a.batch, a.seq_len, memory,
+                                             communication, a.param_dtype, tp)  # fmt: skip
+            columns[name] = (mem, comm)
+            shard_bw = a.intra_bw if shard * tp <= a.gpus_per_node else a.inter_bw
+            idle = compute * terms["bubble"] / (1 - terms["bubble"])
+            seconds[name] = idle + comm_seconds(comm, shard_bw * 1e9, a.inter_bw * 1e9,
+                                                a.intra_bw * 1e9)  # fmt: skip
+            bubbles[name] = f"{terms['bubble']:.1%} ({idle:.2f} s)"
+    return bubbles
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     family = get_family(a.family)
@@ -167,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         # A shard group within one node talks over NVLink; spanning nodes, the slow link rules.
         shard_bw = a.intra_bw if shard * tp * cp <= a.gpus_per_node else a.inter_bw
         seconds[name] = comm_seconds(comm, shard_bw * 1e9, a.inter_bw * 1e9, a.intra_bw * 1e9)
+    bubbles = _pipeline_columns(a, shape, columns, seconds)
     n_params, n_trained = shape.numel(), shape.numel(trainable_only=True)
     trains = f", {n_trained / 1e9:.3f}B trainable" if n_trained < n_params else ""
     if shape.top_k:
@@ -177,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, (mem, _) in columns.items():
         total = sum(mem.values())
         fits = "fits" if total <= a.gpu_mem * 1e9 else "does NOT fit"
+        bubble = f" + bubble {bubbles[name]}" if name in bubbles else ""
         print(f"{name}: {total / 1e9:.1f} GB {fits} in {a.gpu_mem:g} GB; "
-              f"communication {seconds[name]:.2f} s/step if not overlapped")  # fmt: skip
+              f"communication{bubble} {seconds[name]:.2f} s/step if not overlapped")  # fmt: skip
     best = min(seconds, key=seconds.__getitem__)
     print(f"faster communication: {best}")
     fitting = [n for n, (mem, _) in columns.items() if sum(mem.values()) <= a.gpu_mem * 1e9]

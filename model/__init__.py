@@ -50,6 +50,11 @@ What the trainer may assume, and nothing more:
   must stay in the root FSDP unit (not inside `fsdp_units`).
 - **FSDP units.** `fsdp_units(model)`: the modules sharded as their own unit, in forward order
   (the transformer blocks); what is left (embeddings, final norm, output) is the root unit.
+  Pipeline parallel (parallel/pp_split.py) cuts the model between them: a stage replaces the
+  other stages' blocks by pass-throughs (their extra outputs zeros, so sums over blocks add up
+  across stages) and the modules outside the blocks by pass-throughs except on the first stage
+  (those before the first block) or the last (after the last block). So the forward must not
+  compute on the hidden state outside modules between the embeddings and the output.
 - **FP8 candidates.** `fp8_linears(model)`: names of the `nn.Linear` layers FP8 may convert
   (the FP8 policy then filters by shape and `fp8.skip`).
 - **Fine-tuning** (`parallel/freeze.py`, `parallel/lora.py`): `train.freeze` matches parameter

@@ -10,6 +10,11 @@ weights float8 converts and which parameters train. With a mesh every step runs.
 why each step comes where it does:
 
 1. The family's model on meta: no memory yet; each rank allocates only its shards later.
+   With parallel.pp > 1 (1b), cut into stages of contiguous blocks (parallel/pp_split.py): this
+   rank keeps its stages, each a copy of the model whose other blocks are skipped, and every
+   step below runs on each stage as it would on the whole model (each stage is its own FSDP
+   root over its data-parallel ranks). First, because everything after it (float8's choice of
+   layers, the TP plan, LoRA's targets, FSDP's units) is per stage.
 2. Float8 (fp8.enabled): torchao's Float8Linear in place of the Linear layers the policy picks
    (`float8_policy`), before tensor parallel (its float8 styles need those layers) and before
    FSDP (which then shards the float8-aware weights). Without a mesh: only the decisions.
@@ -40,7 +45,7 @@ them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -55,7 +60,8 @@ from parallel.freeze import apply_freeze
 from parallel.fsdp import apply_fsdp
 from parallel.graph_fsdp import apply_graph_fsdp
 from parallel.lora import apply_lora
-from parallel.runtime import fsdp_and_tp_meshes
+from parallel.pp_split import Stage, StageFamily, merged_view, split_model
+from parallel.runtime import fsdp_and_tp_meshes, pp_size
 from parallel.tp import apply_tp
 from parallel.workarounds import tp_compile_workarounds
 
@@ -77,7 +83,15 @@ class BuiltModel:
     """The Linear layers LoRA adapts."""
     terms: StepTerms | None = None
     """The family's extra loss terms and step statistics (model/__init__.py), or None."""
+    stages: list[Stage] = field(default_factory=list)
+    """Under pipeline parallel, this rank's stages (`model` then only gathers their modules
+    under the unsplit names, for the optimizer and checkpoints); empty without."""
     _after_step: list[Any] = field(default_factory=list)
+
+    @property
+    def parts(self) -> list[nn.Module]:
+        """The modules that run: the model, or each of this rank's pipeline stages."""
+        return [s.model for s in self.stages] or [self.model]
 
     def collect(self, sequences: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """After a micro-batch's forward: the family's extra loss (a global mean) and its
@@ -90,7 +104,13 @@ class BuiltModel:
         `log`."""
         for hook in self._after_step:
             hook()
-        return self.terms.after_step(stats, log) if self.terms and stats is not None else {}
+        # Under pp every stage updates its own blocks from the step's statistics (summed over
+        # the stages too); their scalars to log are the same.
+        scalars: dict[str, float] = {}
+        for terms in [s.terms for s in self.stages] or [self.terms]:
+            if terms is not None and stats is not None:
+                scalars = terms.after_step(stats, log)
+        return scalars
 
 
 def build_model(
@@ -99,15 +119,45 @@ def build_model(
     job: JobConfig,
     mesh: DeviceMesh | None = None,
     expert_mesh: DeviceMesh | None = None,
+    stage_sizes: list[int] | None = None,
 ) -> BuiltModel:
     """The model of `family` with `args`, built on meta and, given the (dp_replicate,
     dp_shard, cp, tp) `mesh` (and, for expert parallel, the expert mesh), parallelized as it will
-    train, in the module docstring's order. Materialize it with `model.to_empty`."""
+    train, in the module docstring's order. Materialize it with `model.to_empty`.
+    `stage_sizes`: blocks per pipeline stage (pp > 1; launch.check `Plan.stage_sizes`)."""
     import torch
 
     with torch.device("meta"):
         model = family.build_model(args)
     built = BuiltModel(model)
+    # FSDP's and tp's meshes, once: with cp they are new process groups (parallel/runtime.py).
+    meshes = None if mesh is None else fsdp_and_tp_meshes(mesh)
+    pp = 1 if mesh is None else pp_size(mesh)
+    if pp == 1:
+        built.terms = _parallelize(built, model, family, job, mesh, meshes, expert_mesh)
+        return built
+    # 1b. The pipeline split: this rank's stages, each a copy of the model on meta holding its
+    # blocks (parallel/pp_split.py); steps 2-6 then run on each stage as on a whole model.
+    pp_rank = mesh["pp"].get_local_rank()
+    sizes = stage_sizes or list(job.parallel.pipeline.split)  # launch.check chose them
+    built.stages = split_model(model, family, job.parallel.pipeline, pp, pp_rank, sizes)
+    for stage in built.stages:
+        stage.terms = _parallelize(built, stage.model, stage.family, job, mesh, meshes,
+                                   expert_mesh)  # fmt: skip
+    built.model = merged_view(model, built.stages)
+    return built
+
+
+def _parallelize(
+    built: BuiltModel,
+    model: nn.Module,
+    family: ModelFamily,
+    job: JobConfig,
+    mesh: DeviceMesh | None,
+    meshes: tuple[DeviceMesh, DeviceMesh] | None,
+    expert_mesh: DeviceMesh | None,
+) -> StepTerms | None:
+    """Steps 2-6 on `model` (the whole model, or one pipeline stage); returns its step terms."""
     fp8 = job.fp8
     if fp8.enabled:  # 2
         candidates = family.fp8_linears(model)
@@ -116,11 +166,12 @@ def build_model(
         else:
             # FSDP shards over dp_shard x cp (parallel/runtime.py dp_mesh): cp ranks gather too.
             sharded = mesh["dp_shard"].size() * mesh["cp"].size() > 1
-            built.float8 = apply_float8(model, fp8, candidates=candidates, weights_sharded=sharded)
+            built.float8 += apply_float8(model, fp8, candidates=candidates,
+                                         weights_sharded=sharded)  # fmt: skip
             built._after_step.append(lambda: precompute_float8_scales(model, fp8))
     tp = 1 if mesh is None else mesh["tp"].size()
-    if mesh is not None:
-        fsdp_mesh, tp_mesh = fsdp_and_tp_meshes(mesh)
+    if meshes is not None:
+        fsdp_mesh, tp_mesh = meshes
     if tp > 1:  # 3
         # torchao's float8 styles hand the layer a float8 input, which LoRA's adapters would
         # then receive too; and gloo has no float8 collectives.
@@ -130,17 +181,21 @@ def build_model(
     experts = apply_ep(model, family, expert_mesh) if expert_mesh is not None else None
     if mesh is not None and mesh["cp"].size() > 1:
         apply_cp(model, mesh["cp"])
-    if job.lora.enabled:  # 4
-        built.adapted = apply_lora(model, job.lora)
-    if job.train.freeze:
-        apply_freeze(model, job.train.freeze)
-    built.terms = step_terms(family, model)
+    lora, freeze = job.lora, job.train.freeze
+    if isinstance(family, StageFamily):  # a pipeline stage: what it holds of the patterns
+        lora = replace(lora, targets=family.own(lora.targets, "linears"))
+        freeze = family.own(freeze, "params")
+    if lora.enabled:  # 4
+        built.adapted += apply_lora(model, lora)
+    if freeze:
+        apply_freeze(model, freeze)
+    terms = step_terms(family, model)
     if mesh is None:
-        return built
+        return terms
     if job.compile.fsdp == "graph":  # 5-6 as one graph that holds FSDP's collectives
         apply_ac(model, family.fsdp_units(model), job.ac, in_graph=True)
         apply_graph_fsdp(model, family, fsdp_mesh, job.parallel, job.compile)
-        return built
+        return terms
     compile_first = tp_compile_workarounds(model, family, tp, job.compile.enabled, job.ac.mode)
     if compile_first:  # 5
         apply_compile(model, family.fsdp_units(model), job.compile)
@@ -149,4 +204,4 @@ def build_model(
         apply_ac(model, family.fsdp_units(model), job.ac)
         apply_compile(model, family.fsdp_units(model), job.compile)
     apply_fsdp(model, family.fsdp_units(model), fsdp_mesh, job.parallel, experts)  # 6
-    return built
+    return terms

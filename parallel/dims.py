@@ -7,10 +7,11 @@ every rank *before* any process group exists and nothing can hang.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from configs import ConfigError
+from parallel.pp_config import PipelineConfig
 
 
 @dataclass
@@ -34,6 +35,12 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts families): the experts are split over groups
     of ep consecutive dp_shard ranks, tokens sent to them by all-to-all (parallel/ep.py)."""
+    pp: int = 1
+    """Pipeline-parallel degree, the outermost mesh dimension (world = pp x dp_replicate x
+    dp_shard x cp x tp): the blocks split into stages of contiguous ranges, each stage on its
+    own ranks, activations sent between them (parallel/pp.py; [parallel.pipeline])."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """How the pp stages run: the schedule, stages per rank, micro-batches, the split."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """'always' frees gathered parameters after forward (ZeRO-3, least memory); 'never' keeps
     them until backward (ZeRO-2 style, one all-gather fewer per block); 'default' frees them
@@ -72,7 +79,7 @@ class ParallelConfig:
                 f"parallel: dp_replicate={self.dp_replicate} and dp_shard={self.dp_shard} must "
                 "be >= 1, or -1 ('the remaining ranks') for at most one of them"
             )
-        for name in ("tp", "cp", "ep"):
+        for name in ("tp", "cp", "ep", "pp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.forward_prefetch < 0 or self.backward_prefetch < 0 or self.timeout_s < 1:
@@ -117,9 +124,9 @@ class LaunchEnv:
 def resolve_dims(cfg: ParallelConfig, env: LaunchEnv) -> tuple[int, int]:
     """Return (dp_replicate, dp_shard) for this launch, or raise ConfigError.
 
-    The data-parallel dims fill world_size / (cp x tp) ranks; tp is checked first, against the
-    ranks of one node (tensor parallel never crosses nodes)."""
-    tp, cp = cfg.tp, cfg.cp
+    The data-parallel dims fill world_size / (pp x cp x tp) ranks; tp is checked first, against
+    the ranks of one node (tensor parallel never crosses nodes)."""
+    tp, cp, pp = cfg.tp, cfg.cp, cfg.pp
     if env.local_world_size % tp != 0 or env.world_size % tp != 0:
         raise ConfigError(
             f"parallel: tp ({tp}) must divide the ranks per node ({env.local_world_size}, "
@@ -131,7 +138,12 @@ def resolve_dims(cfg: ParallelConfig, env: LaunchEnv) -> tuple[int, int]:
             f"parallel: cp ({cp}){f' x tp ({tp})' if tp > 1 else ''} must divide the world "
             f"size ({env.world_size} ranks: {env.num_nodes} node(s) x {env.local_world_size})"
         )
-    world = env.world_size // (tp * cp)  # data-parallel ranks
+    if env.world_size % (pp * tp * cp) != 0:
+        raise ConfigError(
+            f"parallel: pp ({pp}) x cp ({cp}) x tp ({tp}) must divide the world size "
+            f"({env.world_size} ranks: {env.num_nodes} node(s) x {env.local_world_size})"
+        )
+    world = env.world_size // (pp * tp * cp)  # data-parallel ranks of one stage
     if cfg.mesh == "auto":
         if env.local_world_size * env.num_nodes != env.world_size:
             raise ConfigError(
@@ -142,6 +154,14 @@ def resolve_dims(cfg: ParallelConfig, env: LaunchEnv) -> tuple[int, int]:
                 "parallel.mesh='manual'"
             )
         if env.num_nodes > 1:
+            if pp > 1:  # a stage per group of nodes; HSDP's replicas: the nodes of a stage
+                if env.num_nodes % pp != 0 or env.local_world_size % (tp * cp) != 0:
+                    raise ConfigError(
+                        f"parallel.mesh='auto' with pp={pp}: pp must divide the nodes "
+                        f"({env.num_nodes}) and cp x tp the ranks per node; or set "
+                        "parallel.mesh='manual'"
+                    )
+                return env.num_nodes // pp, env.local_world_size // (tp * cp)
             if env.local_world_size % (tp * cp) != 0:
                 raise ConfigError(
                     f"parallel.mesh='auto': cp ({cp}) x tp ({tp}) must divide the ranks per "
@@ -154,11 +174,12 @@ def resolve_dims(cfg: ParallelConfig, env: LaunchEnv) -> tuple[int, int]:
         shard = max(1, world // rep)
     if rep == -1:
         rep = max(1, world // shard)
-    if rep * shard * cp * tp != env.world_size:
+    if pp * rep * shard * cp * tp != env.world_size:
         more = (f" x cp ({cp})" if cp > 1 else "") + (f" x tp ({tp})" if tp > 1 else "")
+        first = f"pp ({pp}) x " if pp > 1 else ""
         raise ConfigError(
-            f"parallel: dp_replicate ({_show(cfg.dp_replicate, rep)}) x dp_shard "
-            f"({_show(cfg.dp_shard, shard)}){more} = {rep * shard * cp * tp} does not equal "
+            f"parallel: {first}dp_replicate ({_show(cfg.dp_replicate, rep)}) x dp_shard "
+            f"({_show(cfg.dp_shard, shard)}){more} = {pp * rep * shard * cp * tp} does not equal "
             f"the world size ({env.world_size} ranks: {env.num_nodes} node(s) x "
             f"{env.local_world_size})"
         )

@@ -29,7 +29,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def reshard_plan(
-    n_blocks: int, mode: Reshard, dp_shard: int, cpu_offload: bool = False
+    n_blocks: int, mode: Reshard, dp_shard: int, cpu_offload: bool = False, pipelined: bool = False
 ) -> list[bool]:
     """Whether each FSDP unit frees its gathered parameters after forward: one entry per block
     in order, then the root. The one place this is decided (the planner and train.py ask here).
@@ -43,10 +43,15 @@ def reshard_plan(
       'never' does (measured +1.7-2.7% on one H100; torchtitan applies no FSDP there at all), for
       one compute-dtype copy of the blocks held through backward, as autocast would. Not with
       cpu_offload: freeing the GPU copy after use is the point of offloading.
+    - 'default' under pipeline parallel (`pipelined`, one call per stage): no unit, as
+      torchtitan does. A schedule runs the forwards and backwards of different micro-batches
+      in turn, and torch's stages keep units gathered through backward until the step's last
+      one (parallel/pp.py): a unit freed after each forward would be gathered twice per
+      micro-batch instead of once per step, for memory of 1/pp of the blocks.
     """
     if mode == "always":
         return [True] * (n_blocks + 1)
-    if mode == "never" or (dp_shard == 1 and not cpu_offload):
+    if mode == "never" or (dp_shard == 1 and not cpu_offload) or pipelined:
         return [False] * (n_blocks + 1)
     return [i < n_blocks - 1 for i in range(n_blocks)] + [False]
 
@@ -73,7 +78,8 @@ def apply_fsdp(
         # Pinned host memory only helps (and only exists) with a GPU on the other side.
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     dp_shard = mesh.size(mesh.ndim - 1)
-    reshard = reshard_plan(len(units), cfg.reshard_after_forward, dp_shard, cfg.cpu_offload)
+    reshard = reshard_plan(len(units), cfg.reshard_after_forward, dp_shard, cfg.cpu_offload,
+                           cfg.pp > 1)  # fmt: skip
     for module in experts.modules if experts is not None else []:
         # Freed after forward when its block is; inner units before outer ones, as the root.
         block = next(i for i, u in enumerate(units) if any(m is module for m in u.modules()))

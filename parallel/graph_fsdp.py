@@ -183,6 +183,9 @@ def check_graph_fsdp(compile_cfg: CompileConfig, parallel: ParallelConfig, fp8: 
          "mesh of their own, and its all-to-alls have data-dependent sizes"),
         (fp8, "fp8.enabled", "torchao's float8 weights are gathered through FSDP2's all-gather "
          "extension (fsdp_pre_all_gather), which the compiled graph never calls"),
+        (parallel.pp > 1, "parallel.pp > 1", "each pipeline stage runs its forward and "
+         "backward inside torch's schedules, one micro-batch at a time, which a whole-model "
+         "graph does not split into"),
         (parallel.cpu_offload, "parallel.cpu_offload", "offloading moves shards between host "
          "and device in FSDP2's hooks, and this path has none"),
         (parallel.forward_prefetch > 0 or parallel.backward_prefetch > 0,

@@ -312,6 +312,7 @@ def plan_communication(
     cp: int = 1,
     muon_dtype: str | None = None,
     graph_fsdp: bool = False,
+    pipelined: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Bytes each rank sends per optimizer step: {mesh dim: {collective: bytes}}. With tp, ep
     or cp > 1, `tokens` (micro-batch x seq_len, whole sequences) sizes the activations they
@@ -319,12 +320,13 @@ def plan_communication(
     (dp_shard / ep). Under context parallel FSDP's group is dp_shard x cp ("dp_shard").
     `muon_dtype`: optim.muon.ns_dtype under optim.name="muon" (None: AdamW). `graph_fsdp`
     (compile.fsdp="graph", `graph_buckets`): every unit resharded unless 'never', nothing kept
-    gathered between micro-batches, gradients reduced after every micro-batch."""
+    gathered between micro-batches, gradients reduced after every micro-batch. `pipelined`:
+    `shape` is one pipeline rank's stages (parallel/pp_plan.py `plan_pipeline`)."""
     units = shape.units
     tokens //= cp  # each cp rank holds 1/cp of every sequence
     s, r, e = dp_shard * cp, dp_replicate, dp_shard // ep
     pbytes, rbytes = BYTES[param_dtype], BYTES[reduce_dtype]
-    resharded = reshard_plan(len(units) - 1, reshard_after_forward, s, cpu_offload)
+    resharded = reshard_plan(len(units) - 1, reshard_after_forward, s, cpu_offload, pipelined)
     if graph_fsdp:  # the partitioner regathers every weight for backward, the root's too
         resharded = [reshard_after_forward != "never"] * len(units)
     # With no unit resharded, the loop keeps them gathered across micro-batches too.
@@ -536,6 +538,7 @@ def plan_memory(
     loss_chunk_tokens: int = 0,
     muon_dtype: str | None = None,
     graph_bucket_bytes: float | None = None,
+    pipelined: bool = False,
 ) -> dict[str, float]:
     """Bytes per rank: the sharded fp32 training state, gathered parameters and activations.
     `seq_len` is the whole sequence; under context parallel a rank holds 1/cp of it and the
@@ -562,7 +565,8 @@ def plan_memory(
     # The root stays gathered all step; one block computes while the next is prefetched
     # (a block not resharded after forward stays gathered until its backward).
     n_blocks = len(units) - 1
-    kept = n_blocks - sum(reshard_plan(n_blocks, reshard_after_forward, dp_shard, cpu_offload)[:-1])
+    resharded = reshard_plan(n_blocks, reshard_after_forward, dp_shard, cpu_offload, pipelined)
+    kept = n_blocks - sum(resharded[:-1])
     gathered_blocks = max(kept, min(2, n_blocks))
     gathered = (root + gathered_blocks * block) * pbytes
     if graph_bucket_bytes is not None:

@@ -93,19 +93,24 @@ def launched_by_torchrun() -> bool:
 
 
 def build_mesh(
-    device: torch.device, dp_replicate: int, dp_shard: int, tp: int = 1, cp: int = 1
+    device: torch.device, dp_replicate: int, dp_shard: int, tp: int = 1, cp: int = 1, pp: int = 1
 ) -> DeviceMesh:
     """A 4D mesh (dp_replicate, dp_shard, cp, tp), torchtitan's order. tp is innermost, so with
     torchrun's rank order a tensor-parallel group is consecutive ranks of one node (its
     collectives run in every layer and need the fastest links); cp next (it all-gathers keys
     and values in every layer); then the ranks of one replica are contiguous, so a shard group
     lies inside a node where it can and only the gradient all-reduce crosses nodes: that is
-    HSDP's point."""
-    return init_device_mesh(
-        device.type,
-        (dp_replicate, dp_shard, cp, tp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
-    )
+    HSDP's point. Pipeline parallel (pp > 1) is a fifth dimension outside them all: a stage's
+    ranks are contiguous, and only its point-to-point sends cross to the next stage's nodes."""
+    shape, names = (dp_replicate, dp_shard, cp, tp), ("dp_replicate", "dp_shard", "cp", "tp")
+    if pp > 1:
+        shape, names = (pp, *shape), ("pp", *names)
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
+def pp_size(mesh: DeviceMesh) -> int:
+    """The pipeline-parallel degree of a `build_mesh` mesh (1 without a pp dimension)."""
+    return mesh["pp"].size() if "pp" in (mesh.mesh_dim_names or ()) else 1
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -129,6 +134,8 @@ def fsdp_and_tp_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
         # tp dim holds the same ranks as the 4D mesh's.
         shape = (replicas, mesh["dp_shard"].size() * cp, mesh["tp"].size())
         names = ("dp_replicate", "dp_shard_cp", "tp")
+        if (pp := pp_size(mesh)) > 1:  # the same for each stage's ranks
+            shape, names = (pp, *shape), ("pp", *names)
         merged = init_device_mesh(mesh.device_type, shape, mesh_dim_names=names)
         dp = merged["dp_replicate", "dp_shard_cp"] if replicas > 1 else merged["dp_shard_cp"]
         return dp, merged["tp"]

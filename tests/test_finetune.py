@@ -366,8 +366,8 @@ def losses_and_grad_norms(argv: list[str]) -> tuple[list[float], list[float]]:
     norms: list[float] = []
     clip = train.clip_grad_norm
 
-    def spy(model: nn.Module, max_norm: float) -> torch.Tensor:
-        norm = clip(model, max_norm)
+    def spy(model: nn.Module, max_norm: float, *rest: Any) -> torch.Tensor:
+        norm = clip(model, max_norm, *rest)
         norms.append(norm.item())
         return norm
 

@@ -1,0 +1,248 @@
+"""Pipeline parallel: this rank's stages (parallel/pp_split.py) run by a schedule of
+torch.distributed.pipelining across the pp ranks, the outermost mesh dimension.
+
+    pipeline = Pipeline(built.stages, mesh["pp"], device, job.parallel.pipeline, microbatches)
+    loss_sum, stats = pipeline.step(micro_batches, loss_fn, global_tokens, scale, ...)  # train
+    logits = pipeline(tokens, document_ids=..., positions=...)   # evaluation: last stage only
+
+`step` is the one call `train_step` makes in place of its micro-batch loop: the loss keeps the
+trainer's normalization (the step's target tokens over all ranks), each stage's extra loss (an
+MoE's aux loss) joins the backward from its output, and torch's stages keep FSDP's gradients
+unreduced until the step's last backward.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
+from torch import nn
+
+from configs import ConfigError
+from parallel.pp_plan import SCHEDULES, PipelineConfig, stage_ranks
+from parallel.pp_split import Stage, probe_layout
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from model import ModelFamily
+
+SCHEDULE_CLASSES = {
+    "1f1b": "Schedule1F1B",
+    "gpipe": "ScheduleGPipe",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+
+
+class _AddLoss(torch.autograd.Function):
+    """A copy of `out`; in backward, `extra` gets gradient 1: the stage's extra loss (an MoE's
+    aux loss) joins the backward that the schedule runs from the stage's output. A copy, not a
+    view: the zero-bubble schedules detach the stage's output in place after backward."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        ctx.extra = (extra.shape, extra.dtype, extra.device)
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, dtype, device = ctx.extra
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+@dataclass
+class _StepInputs:
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    global_tokens: torch.Tensor
+    scale: float
+    extra_scale: float
+    sequences: int
+    hidden_only: bool
+    beat: Callable[[str], None] | None = None
+    losses: list[torch.Tensor] = field(default_factory=list)
+    last_extra: torch.Tensor | None = None
+    """The last stage's extra loss of the micro-batch whose loss comes next."""
+
+
+class Pipeline:
+    """This rank's stages on torch's schedule: `step` runs forward and backward of a step's
+    micro-batches; calling it, a forward-only pass for evaluation."""
+
+    def __init__(
+        self,
+        stages: list[Stage],
+        mesh: DeviceMesh,
+        device: torch.device,
+        cfg: PipelineConfig,
+        microbatches: int,
+    ) -> None:
+        self.stages, self.microbatches = stages, microbatches
+        self.group, self.pp = mesh.get_group(), mesh.size()
+        self.rank = mesh.get_local_rank()
+        n = self.pp * cfg.local_stages()
+        self.owners = stage_ranks(self.pp, cfg.local_stages(), cfg.schedule)
+        self.ranks = dist.get_process_group_ranks(self.group)
+        self.holds_first, self.holds_last = stages[0].index == 0, stages[-1].index == n - 1
+        self._step: _StepInputs | None = None
+        torch_stages = []
+        for stage in stages:
+            stage.model.register_forward_pre_hook(self._pre_forward(stage), with_kwargs=True)
+            stage.model.register_forward_hook(self._hook(stage))
+            torch_stages.append(
+                pipelining.PipelineStage(stage.model, stage.index, n, device, group=self.group)
+            )
+        schedule = getattr(pipelining, SCHEDULE_CLASSES[cfg.schedule])
+        single = SCHEDULES[cfg.schedule][0] == 1
+        # scale_grads=False: the loss is already the step's global mean (train.py).
+        self.schedule = schedule(
+            torch_stages[0] if single else torch_stages, n_microbatches=microbatches,
+            loss_fn=self._loss, scale_grads=False,
+        )  # fmt: skip
+
+    def _pre_forward(self, stage: Stage) -> Callable[..., Any]:
+        def before_forward(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            step = self._step
+            if step is None:
+                return None
+            if step.beat is not None:  # the hang line names the stage
+                step.beat(f"pipeline stage {stage.index}")
+            return (args, kwargs | {"hidden_only": True}) if step.hidden_only else None
+
+        return before_forward
+
+    def _hook(self, stage: Stage) -> Callable[..., Any]:
+        def after_forward(module: nn.Module, args: tuple, out: torch.Tensor) -> Any:
+            step = self._step
+            if step is None or stage.terms is None:
+                return None
+            extra, stats = stage.terms.collect(step.sequences)
+            stage.stats.append(stats)
+            if stage.index == len(self.owners) - 1:  # added to the loss: no copy of the logits
+                step.last_extra = extra * step.extra_scale
+                return None
+            return _AddLoss.apply(out, extra * step.extra_scale)
+
+        return after_forward
+
+    def _loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        step = self._step
+        assert step is not None  # noqa: S101 - only the schedule calls it, inside step()
+        loss = step.loss_fn(out, target)
+        loss = loss.to_local() if hasattr(loss, "to_local") else loss
+        # Every pp rank counted the step's targets into global_tokens: x pp undoes it.
+        loss = loss / step.global_tokens * self.pp
+        step.losses.append(loss.detach())
+        extra, step.last_extra = step.last_extra, None
+        return loss * step.scale + (extra if extra is not None else 0.0)
+
+    def step(
+        self,
+        batches: list[Any],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        global_tokens: torch.Tensor,
+        scale: float,
+        extra_scale: float,
+        sequences: int,
+        beat: Callable[[str], None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward and backward of the step's micro-batches (`batches`, MicroBatch) through the
+        pipeline, gradients accumulated in each stage. The loss of each micro-batch is
+        `loss_fn`'s sum over `global_tokens` (the step's, over all ranks), and backward runs
+        from it times `scale` (and from each stage's extra loss times `extra_scale`), as
+        train.py's loop does without pp. `beat(phase)`: the heartbeat, told which stage runs.
+        Returns this rank's share of the step's loss (the last stage's; 0 elsewhere) and its
+        stages' step statistics (None without step terms)."""
+        from parallel.loss import ChunkedLoss
+
+        hidden_only = isinstance(loss_fn, ChunkedLoss)
+        self._step = _StepInputs(loss_fn, global_tokens, scale, extra_scale, sequences,
+                                 hidden_only, beat)  # fmt: skip
+        for stage in self.stages:
+            stage.stats.clear()
+        present = [k for k in ("document_ids", "positions") if getattr(batches[0], k) is not None]
+        kwargs = {k: torch.cat([getattr(b, k) for b in batches]) for k in present}
+        args = (torch.cat([b.inputs for b in batches]),) if self.holds_first else ()
+        target = torch.cat([b.targets for b in batches]) if self.holds_last else None
+        try:
+            self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
+        finally:
+            step, self._step = self._step, None
+        # The last `microbatches` calls: torch may run a stage once more first, to learn shapes.
+        losses = step.losses[-self.microbatches :]
+        loss_sum = torch.stack(losses).sum() if losses else global_tokens.new_zeros(())
+        stats = [torch.stack(s.stats[-self.microbatches :]).sum(0) for s in self.stages if s.stats]
+        return loss_sum, torch.stack(stats).sum(0) if stats else None
+
+    @torch.no_grad()
+    def __call__(self, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor | None:
+        """The model's output for `inputs` (and `kwargs`: document ids, positions, hidden_only)
+        on the rank that holds the last stage, None on the others: each stage runs in turn,
+        its output sent to the next stage's rank. For evaluation (any shape, one batch at a
+        time; every pp rank calls it with the same inputs)."""
+        x: torch.Tensor | None = inputs
+        local = {s.index: s for s in self.stages}
+        for s, owner in enumerate(self.owners):
+            if owner != self.rank:
+                continue
+            if s > 0 and self.owners[s - 1] != self.rank:
+                x = self._recv(self.owners[s - 1], inputs.device)
+            x = local[s].model(x, **kwargs)
+            if s + 1 < len(self.owners) and self.owners[s + 1] != self.rank:
+                self._send(x, self.owners[s + 1])
+        # No reshard here: the chunked loss applies the last stage's output layer next, and a
+        # checkpoint's state_dict reshards by FSDP's own hooks.
+        return x if self.holds_last else None
+
+    def _send(self, x: torch.Tensor, rank: int) -> None:
+        meta = torch.tensor([*x.shape, _DTYPES.index(x.dtype)], device=x.device)
+        dist.send(meta, self.ranks[rank], group=self.group)
+        dist.send(x.contiguous(), self.ranks[rank], group=self.group)
+
+    def _recv(self, rank: int, device: torch.device) -> torch.Tensor:
+        meta = torch.empty(4, dtype=torch.long, device=device)  # (batch, seq, dim) and dtype
+        dist.recv(meta, self.ranks[rank], group=self.group)
+        *shape, dtype = meta.tolist()
+        x = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
+        dist.recv(x, self.ranks[rank], group=self.group)
+        return x
+
+    def total_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The gradient norm over every stage, from this rank's stages' `norm` (the same on
+        every rank of a stage): the square root of the sum of the stages' squares."""
+        squared = norm.float() ** 2
+        dist.all_reduce(squared, group=self.group)
+        return squared.sqrt().to(norm.dtype)
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def check_pp(cfg: Any, compiled: bool, family: ModelFamily, model: nn.Module, accum: int) -> None:
+    """ConfigError, before any collective, for a pipeline this model and config cannot run
+    (`cfg`: ParallelConfig; `model`: built on meta; `accum`: the step's micro-batches)."""
+    from parallel.pp_plan import check_pipeline
+
+    if cfg.pp == 1:
+        return
+    name = SCHEDULE_CLASSES[cfg.pipeline.schedule]
+    if not hasattr(pipelining, name):
+        raise ConfigError(
+            f"parallel.pipeline.schedule={cfg.pipeline.schedule!r}: torch {torch.__version__} "
+            f"has no {name}; choose another schedule"
+        )
+    if cfg.ep > 1:
+        raise ConfigError(
+            f"parallel.ep={cfg.ep} with parallel.pp={cfg.pp}: expert parallel's mesh does not "
+            "have a pp dimension yet; use ep=1 (each stage's experts are then FSDP-sharded)"
+        )
+    n_blocks = len(family.fsdp_units(model))
+    check_pipeline(cfg.pipeline, cfg.pp, n_blocks, accum, compiled)
+    probe_layout(copy.deepcopy(model), family)

@@ -1,0 +1,457 @@
+"""Pipeline parallel (parallel/pp.py, parallel/pp_plan.py): the same run as one process on every
+mesh it accepts, checkpoints across pp degrees, one config line for what it refuses.
+
+The trainer runs share their processes: one spawn of N ranks trains several configurations in
+turn (`train_many`), since starting ranks costs more than the tiny model. The models have 4
+blocks (2 stages per rank on 2 ranks) and untied embeddings (refused under pp).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkpoint.export import export_checkpoint
+from configs import ConfigError, parse_config
+from model import FAMILIES, ModelConfig
+from parallel.pp_plan import (
+    PipelineConfig,
+    balanced_split,
+    bubble_fraction,
+    check_pipeline,
+    in_flight,
+    p2p_bytes,
+    stage_ranks,
+)
+from tests.distributed import _free_port, run_distributed
+from tests.test_families import assert_same_run as assert_same_losses
+from tests.test_families import run_argv, scalars
+from tests.test_tasks import write_tasks
+from tests.test_train import assert_close
+
+PP_SHAPE = ["--model.n_layers=4", "--model.tie_embeddings=false", "--train.steps=6",
+            "--metrics.tensorboard=true", "--metrics.log_interval=1"]  # fmt: skip
+DEFAULT = ModelConfig().name
+
+
+def train_many(argvs: list[list[str]], folder: str) -> list[list[float]]:
+    """Train each argv in turn in this rank, each in a process group of its own: on a port that
+    rank 0 finds free just before the run and hands the others through `folder` (a second
+    group on the first one's store would wait forever; ports chosen all at once may be taken
+    by the time a later run starts)."""
+    import os
+    import time
+
+    from tests.test_train import train_losses
+
+    losses = []
+    for i, argv in enumerate(argvs):
+        note = Path(folder) / f"port-{i}"
+        if os.environ["RANK"] == "0":
+            (Path(folder) / "next").write_text(str(_free_port()))
+            (Path(folder) / "next").rename(note)
+        deadline = time.monotonic() + 300
+        while not note.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.environ["MASTER_PORT"] = note.read_text()
+        losses.append(train_losses(argv))
+    return losses
+
+
+def spawn(dataset: str, out: Path, family: str, world: int, runs: dict[str, list[str]]) -> dict:
+    """Train `runs` ({name: extra args}) on `world` ranks in one spawn: {name: the losses and
+    rank 0's TensorBoard scalars}."""
+    mc, lm = write_tasks(out)  # validation and both kinds of eval task, at steps 3 and 6
+    evals = ["--train.eval_interval=3", "--train.eval_batches=1", f"--eval.tasks.mc.path={mc}",
+             f"--eval.tasks.lm.path={lm}", "--eval.tasks.lm.kind=completion"]  # fmt: skip
+    argvs = [run_argv(dataset, out, family, name, *PP_SHAPE, *evals, *extra)
+             for name, extra in runs.items()]  # fmt: skip
+    folder = tempfile.mkdtemp(dir=out)
+    losses = run_distributed(train_many, world, argvs, folder, timeout=600)[0]
+    return {n: {"losses": got} | scalars(out / n) for n, got in zip(runs, losses, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dataset: str, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
+    """`reference(family)`: one process, 4 micro-batches of 2 per step, a checkpoint at step 3
+    (trained once per module), with its output folder as "out"."""
+    runs: dict[str, dict[str, Any]] = {}
+
+    def run(family: str) -> dict[str, Any]:
+        if family not in runs:
+            out = tmp_path_factory.mktemp(f"pp_{family}")
+            one = {"one": ["--checkpoint.interval=3"]}
+            runs[family] = spawn(tiny_dataset, out, family, 1, one)["one"] | {"out": out}
+        return runs[family]
+
+    return run
+
+
+def assert_same_run(got: dict, want: dict, steps: slice = slice(None)) -> None:
+    """Losses, grad norms, step-term losses (test_families) and, at steps 3 and 6 (of those in
+    `steps`), the validation loss and the eval tasks' scores within 1e-5."""
+    evals = [t for t in want if t.startswith(("loss/val", "eval/")) and t != "time/eval_s"]
+    per_step = {t: v for t, v in want.items() if t not in evals}
+    assert_same_losses({t: v for t, v in got.items() if t not in evals}, per_step, steps)
+    assert "loss/val" in evals and any(t.startswith("eval/mc/") for t in evals), list(want)
+    for tag in evals:
+        last = want[tag][-len(got[tag]) :]
+        assert_close(got[tag], last, rtol=1e-5)
+
+
+def _families(quick: str) -> list[Any]:
+    return [pytest.param(f, marks=[] if f == quick else pytest.mark.slow) for f in FAMILIES]
+
+
+@pytest.fixture(scope="module")
+def pipelined(
+    reference: Callable[[str], dict], tiny_dataset: str
+) -> Callable[[str], dict[str, dict]]:
+    """`pipelined(family)`: pp 2 on 2 ranks with 1F1B (a checkpoint at step 3), interleaved
+    1F1B (2 stages per rank) and ZBV, in one spawn (once per module), beside the reference."""
+    runs: dict[str, dict[str, dict]] = {}
+    schedules = {
+        "1f1b": ["--parallel.pp=2", "--checkpoint.interval=3"],
+        "interleaved": ["--parallel.pp=2", "--parallel.pipeline.schedule=interleaved_1f1b"],
+        "zbv": ["--parallel.pp=2", "--parallel.pipeline.schedule=zbv"],
+    }
+
+    def run(family: str) -> dict[str, dict]:
+        if family not in runs:
+            runs[family] = spawn(tiny_dataset, reference(family)["out"], family, 2, schedules)
+        return runs[family]
+
+    return run
+
+
+@pytest.mark.parametrize("family", _families(DEFAULT))
+def test_every_schedule_gives_the_one_process_run(
+    family: str, reference: Callable[[str], dict], pipelined: Callable[[str], dict]
+) -> None:
+    """pp 2 on 2 ranks, 4 micro-batches per step: 1F1B, interleaved 1F1B with 2 stages per
+    rank and zero-bubble V give the one-process losses, gradient norms (over every stage),
+    step-term losses (an MoE's aux loss, summed over the stages' blocks), validation loss and
+    eval scores within 1e-5; the 1F1B run's checkpoint holds the same keys and shapes as the
+    one-process run's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    want, got = reference(family), pipelined(family)
+    assert want["losses"][-1] < want["losses"][0] - 0.5, want["losses"]
+    for name in ("1f1b", "interleaved", "zbv"):
+        assert_same_run(got[name], want)
+
+    def keys(run: str) -> dict[str, tuple]:
+        path = want["out"] / run / "checkpoints" / "step-3"
+        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return {k: tuple(getattr(v, "size", ())) for k, v in meta.items() if k != "config"}
+
+    assert keys("1f1b") == keys("one")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_pp_composes_and_resumes_across_pp_degrees(
+    family: str,
+    reference: Callable[[str], dict],
+    pipelined: Callable[[str], dict],
+    tiny_dataset: str,
+) -> None:
+    """On 4 ranks, in one spawn: pp 2 x dp_shard 2 (2 micro-batches per rank), pp 2 x tp 2,
+    DualPipeV x dp_shard 2 and (the default family) pp 2 x cp 2 give the one-process run; the
+    pp 2 run's step-3 checkpoint resumed at pp 4 and at pp 1 (FSDP 1x4), and the one-process
+    checkpoint at pp 2 x dp_shard 2, continue it."""
+    want = reference(family)
+    out = want["out"]
+    pipelined(family)  # its 1F1B run saved step 3
+    one, step3 = (out / run / "checkpoints" / "step-3" for run in ("one", "1f1b"))
+    runs = {
+        "pp2_dp2": ["--parallel.pp=2"],
+        "pp2_tp2": ["--parallel.pp=2", "--parallel.tp=2"],
+        "dualpipev": ["--parallel.pp=2", "--parallel.pipeline.schedule=dualpipev",
+                      "--train.micro_batch_size=1"],
+        "to_pp4": ["--parallel.pp=4", f"--checkpoint.resume={step3}",
+                   "--train.micro_batch_size=1"],
+        "to_pp1": [f"--checkpoint.resume={step3}", "--train.micro_batch_size=1"],
+        "from_one": ["--parallel.pp=2", f"--checkpoint.resume={one}"],
+    }  # fmt: skip
+    if family == DEFAULT:
+        runs["pp2_cp2"] = ["--parallel.pp=2", "--parallel.cp=2"]
+    got = spawn(tiny_dataset, out, family, 4, runs)
+    for name in ("pp2_dp2", "pp2_tp2", "dualpipev", "pp2_cp2"):
+        if name in got:
+            assert_same_run(got[name], want)
+    for name in ("to_pp4", "to_pp1", "from_one"):
+        assert_same_run(got[name], want, slice(3, None))
+    # The Hugging Face export of the pp 2 checkpoint is the one-process checkpoint's.
+    exported = {}
+    for run in ("1f1b", "one"):
+        export_checkpoint(out / run / "checkpoints" / "step-3", out / f"hf_{run}", torch.float32)
+        exported[run] = load_file(out / f"hf_{run}" / "model.safetensors")
+    assert exported["1f1b"].keys() == exported["one"].keys()
+    for key, tensor in exported["one"].items():
+        torch.testing.assert_close(exported["1f1b"][key], tensor, rtol=1e-5, atol=1e-6)
+
+
+COMPOSED = {  # each against one process with the same settings
+    "ac_lora": ["--ac.mode=full", "--lora.enabled=true"],
+    "freeze_documents_chunks": ["--train.freeze=layers.0.*", "--data.attention_mask=document",
+                                "--train.loss_chunk_tokens=16"],
+    "muon": ["--optim.name=muon"],
+}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_pp_composes_with_the_trainers_features(
+    reference: Callable[[str], dict], tiny_dataset: str, tmp_path: Path
+) -> None:
+    """pp 2 gives the one-process run with full AC and LoRA, with a frozen block, document
+    masking and the chunked loss, with Muon (ZBV: 2 stages per rank, its owners within each
+    stage), from Hugging Face weights (each rank reads its stages' tensors), and compiled
+    (1F1B, against the plain reference)."""
+    want = reference(DEFAULT)
+    hf = tmp_path / "hf"  # the reference's step 3, exported: a start from Hugging Face weights
+    export_checkpoint(want["out"] / "one" / "checkpoints" / "step-3", hf, torch.float32)
+    composed = COMPOSED | {"from_hf": [f"--checkpoint.init_from_hf={hf}"]}
+    alone = spawn(tiny_dataset, tmp_path, DEFAULT, 1, composed)
+    runs = {name: ["--parallel.pp=2", *extra] for name, extra in composed.items()}
+    runs["muon"].append("--parallel.pipeline.schedule=zbv")
+    runs["compiled"] = ["--parallel.pp=2", "--compile.enabled=true"]
+    got = spawn(tiny_dataset, tmp_path, DEFAULT, 2, runs)
+    for name in composed:
+        assert_same_run(got[name], alone[name])
+    assert_same_run(got["compiled"], want)
+
+
+# ---- config checks, before any collective -----------------------------------------------------
+
+
+def _check(tiny_dataset: str, tmp_path: Path, world: int, *extra: str) -> Any:
+    from launch.check import check_config
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+
+    argv = run_argv(tiny_dataset, tmp_path, "llama3", "check", "--model.n_layers=4",
+                    "--model.tie_embeddings=false", *extra)  # fmt: skip
+    return check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, world, world, 1))
+
+
+@pytest.mark.parametrize(
+    ("world", "extra", "says"),
+    [
+        (4, ["--parallel.pp=3"], "must divide the world size"),
+        (2, ["--parallel.pp=2", "--parallel.pipeline.stages_per_rank=2"], "runs 1 stage(s)"),
+        (2, ["--parallel.pp=2", "--parallel.pipeline.schedule=interleaved_1f1b",
+             "--parallel.pipeline.stages_per_rank=3"], "the model has 4 blocks"),
+        (2, ["--parallel.pp=2", "--parallel.pipeline.split=3,2"], "sum to the model's 4"),
+        (2, ["--parallel.pp=2", "--parallel.pipeline.microbatches=2"], "the step has 4"),
+        (2, ["--parallel.pp=2", "--parallel.pipeline.schedule=zbv",
+             "--train.micro_batch_size=4"], "at least 4 micro-batches"),
+        (2, ["--parallel.pp=2", "--parallel.pipeline.schedule=zbv", "--compile.enabled=true"],
+         "compiled blocks hide"),
+        (2, ["--parallel.pp=2", "--model.tie_embeddings=true"], "tied embeddings"),
+    ],
+)  # fmt: skip
+def test_config_errors_say_what_would_work(
+    world: int, extra: list[str], says: str, tiny_dataset: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match=None) as err:
+        _check(tiny_dataset, tmp_path, world, *extra)
+    assert says in str(err.value), err.value
+    assert "\n" not in str(err.value)
+
+
+def test_accepted_mesh_and_split(tiny_dataset: str, tmp_path: Path) -> None:
+    """pp is outside the data-parallel dims: 8 ranks at pp 2 x tp 2 leave dp_shard 2."""
+    plan = _check(tiny_dataset, tmp_path, 8, "--parallel.pp=2", "--parallel.tp=2",
+                  "--parallel.pipeline.split=1,3")  # fmt: skip
+    assert (plan.pp, plan.dp_replicate, plan.dp_shard, plan.tp) == (2, 1, 2, 2)
+    assert plan.grad_accum_steps == 2
+
+
+# ---- the split and the planner's terms ----------------------------------------------------------
+
+
+def test_split_balances_cost_with_the_output_on_the_last_stage() -> None:
+    assert balanced_split([1.0] * 6, 0.6, 2) == [3, 3]
+    assert balanced_split([1.0] * 8, 0.0, 4) == [2, 2, 2, 2]
+    # An output projection worth 1.2 blocks: the last stage takes fewer blocks.
+    assert balanced_split([1.0] * 80, 1.2, 8) == [10, 10, 10, 10, 10, 10, 11, 9]
+    assert balanced_split([1.0] * 78, 2.0, 8) == [10, 10, 10, 10, 10, 10, 10, 8]
+    # The heavy block alone: no stage costs more than 5.
+    assert balanced_split([1.0, 5.0, 1.0, 1.0, 1.0], 0.0, 3) == [1, 1, 3]
+
+
+def test_stage_placement_loop_and_v() -> None:
+    assert stage_ranks(2, 1, "1f1b") == [0, 1]
+    assert stage_ranks(2, 2, "interleaved_1f1b") == [0, 1, 0, 1]
+    assert stage_ranks(4, 2, "zbv") == [0, 1, 2, 3, 3, 2, 1, 0]
+
+
+def test_bubble_in_flight_and_p2p_terms() -> None:
+    assert bubble_fraction("1f1b", 4, 8, 1) == pytest.approx(3 / 11)
+    assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction("zbv", 4, 8, 2) == 0.0
+    assert bubble_fraction("1f1b", 1, 8, 1) == 0.0
+    assert in_flight("gpipe", 4, 8, 1) == 8 and in_flight("1f1b", 4, 8, 1) == 4
+    assert in_flight("interleaved_1f1b", 2, 4, 2) == pytest.approx(2.5)
+    # 1F1B on 4 ranks: the middle ranks send both ways, the ends one way.
+    assert [p2p_bytes("1f1b", 4, 8, 1, 10.0, r) for r in range(4)] == [80, 160, 160, 80]
+    # V: the turn between stage p-1 and p stays on rank p-1.
+    assert [p2p_bytes("zbv", 2, 8, 2, 10.0, r) for r in range(2)] == [160, 160]
+
+
+def test_pipeline_config_checks() -> None:
+    cfg = PipelineConfig(schedule="interleaved_1f1b", stages_per_rank=2)
+    check_pipeline(cfg, 2, 4, 4, compiled=False)
+    with pytest.raises(ConfigError, match="multiple of pp"):
+        check_pipeline(cfg, 2, 4, 3, compiled=False)
+    with pytest.raises(ConfigError):
+        PipelineConfig(split=[0, 4])
+
+
+def test_probe_layout_of_every_family() -> None:
+    """The contract alone names each family's parts: embeddings first, norm and output last;
+    an MoE block's aux loss and expert load are its extra outputs."""
+    from parallel.pp_split import probe_layout
+
+    for name, family in FAMILIES.items():
+        args = family.build_args(ModelConfig(name, n_layers=3, tie_embeddings=False))
+        with torch.device("meta"):
+            model = family.build_model(args)
+        layout = probe_layout(model, family)
+        assert layout.blocks == ["layers.0", "layers.1", "layers.2"]
+        assert (layout.head, layout.tail) == (["tok_embeddings"], ["norm", "output"])
+        if hasattr(args, "n_experts"):
+            assert layout.extras[0] == (((), torch.float32), ((args.n_experts,), torch.float32))
+        else:
+            assert layout.extras == [None] * 3
+
+
+def p2p_per_step(argvs: list[list[str]], folder: str) -> list[float]:
+    """Train each argv (as `train_many`) with every point-to-point send counted: the bytes
+    this rank sent in the last step's schedule, for each argv."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    import parallel.pp
+
+    sent, steps = [0], []
+    isend, step = c10d.isend, parallel.pp.Pipeline.step
+
+    def counting_isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent[0] += tensor.numel() * tensor.element_size()
+        return isend(tensor, *args, **kwargs)
+
+    def counted_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = sent[0]
+        result = step(self, *args, **kwargs)
+        steps.append(sent[0] - before)
+        return result
+
+    # P2POp checks its op against c10d's isend: the same function in both places.
+    c10d.isend = dist.isend = counting_isend
+    parallel.pp.Pipeline.step = counted_step
+    last = []
+    for i, argv in enumerate(argvs):
+        train_many([argv], str(Path(folder) / str(i)))
+        last.append(float(steps[-1]))
+    return last
+
+
+@pytest.mark.slow
+def test_planner_p2p_bytes_match_gloo(tiny_dataset: str, tmp_path: Path) -> None:
+    """The bytes each pp rank sends per step (activations forward, their gradients back, none
+    across the V's turn) are the planner's within 1%, for 1F1B, interleaved 1F1B and ZBV."""
+    schedules = {"1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}
+    argvs = [run_argv(tiny_dataset, tmp_path, DEFAULT, s, "--model.n_layers=4",
+                      "--model.tie_embeddings=false", "--train.steps=2", "--parallel.pp=2",
+                      f"--parallel.pipeline.schedule={s}") for s in schedules]  # fmt: skip
+    for i in range(len(argvs)):
+        (tmp_path / str(i)).mkdir()
+    got = run_distributed(p2p_per_step, 2, argvs, str(tmp_path), timeout=600)
+    hidden = 2 * 32 * 64 * 4  # micro-batch x seq_len x dim, float32
+    for i, (schedule, v) in enumerate(schedules.items()):
+        for rank in range(2):
+            want = p2p_bytes(schedule, 2, 4, v, hidden, rank)  # type: ignore[arg-type]
+            assert got[rank][i] == pytest.approx(want, rel=0.01), (schedule, rank)
+
+
+def test_planner_cli_and_dry_run_show_the_pipeline(
+    capsys: pytest.CaptureFixture[str], tiny_dataset: str, tmp_path: Path
+) -> None:
+    """`python -m launch.plan --pp` adds pipeline columns with their bubble and sends; the dry
+    run prints the schedule, the split and the bubble for the configured pp."""
+    from launch.check import dry_run
+    from launch.job import JobConfig
+    from launch.plan import main
+    from parallel.dims import LaunchEnv
+
+    main(["--model", "70B", "--nodes", "8", "--pp", "4", "--tp", "8", "--ac", "full"])
+    out = capsys.readouterr().out
+    assert "PP4 FSDP 1x2 TP8" in out and "sent/step: pp send_recv" in out
+    assert "PP4 FSDP 1x2 TP8: " in out and "bubble 8.6%" in out
+    argv = run_argv(tiny_dataset, tmp_path, "llama3", "check", "--parallel.pp=2",
+                    "--model.n_layers=4", "--model.tie_embeddings=false")  # fmt: skip
+    job = parse_config(JobConfig, argv)
+    plan = _check(tiny_dataset, tmp_path, 2, "--parallel.pp=2")
+    dry_run(job, plan, LaunchEnv(0, 0, 2, 2, 1))
+    out = capsys.readouterr().out
+    assert "pipeline: pp=2 1f1b over 4 micro-batches, blocks per stage [2, 2]" in out
+    assert "PP2 FSDP 1x1" in out and "pp send_recv" in out
+
+
+def test_an_elastic_restart_keeps_pp(tiny_dataset: str, tmp_path: Path) -> None:
+    """A world that loses a node keeps pp and the global batch: the replicas go, and the
+    gradient accumulation (the pipeline's micro-batches) grows."""
+    from launch.elastic import choose_mesh
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+
+    argv = run_argv(tiny_dataset, tmp_path, "llama3", "elastic", "--parallel.pp=2",
+                    "--parallel.dp_replicate=-1", "--parallel.dp_shard=1",
+                    "--model.n_layers=4", "--model.tie_embeddings=false")  # fmt: skip
+    job = parse_config(JobConfig, argv)
+    family = FAMILIES["llama3"]
+    args = family.build_args(job.model)
+    before = choose_mesh(job, family, args, LaunchEnv(0, 0, 8, 4, 2))
+    after = choose_mesh(job, family, args, LaunchEnv(0, 0, 4, 4, 1))
+    assert (before.dp_replicate, before.dp_shard, before.grad_accum_steps) == (4, 1, 1)
+    assert (after.dp_replicate, after.dp_shard, after.grad_accum_steps) == (2, 1, 2)
+
+
+def train_stopped_by_the_last_stage(argv: list[str]) -> list[float]:
+    """Train, with a stop request reaching only the last pp rank, during step 3."""
+    import os
+
+    import train
+    from tests.test_train import train_losses
+
+    step = train.train_step
+
+    def stop_on_the_last_stage(run: Any, batches: Any, stop: bool, *args: Any) -> Any:
+        last = run.pipeline is not None and run.pipeline.holds_last
+        return step(run, batches, stop or (last and run.progress.step == 2), *args)
+
+    train.train_step = stop_on_the_last_stage
+    assert os.environ["RANK"] in ("0", "1")
+    return train_losses(argv)
+
+
+@pytest.mark.slow
+def test_a_stop_reaching_one_stage_stops_every_stage_after_the_same_step(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """The stop flag rides on the step's all-reduce over every rank: both stages end after
+    step 3 and save it."""
+    argv = run_argv(tiny_dataset, tmp_path, DEFAULT, "stopped", "--model.n_layers=4",
+                    "--model.tie_embeddings=false", "--train.steps=6", "--parallel.pp=2",
+                    "--checkpoint.interval=100")  # fmt: skip
+    losses = run_distributed(train_stopped_by_the_last_stage, 2, argv, timeout=600)
+    assert [len(rank) for rank in losses] == [3, 3]
+    assert (tmp_path / "stopped" / "checkpoints" / "step-3").is_dir()
