@@ -210,6 +210,7 @@ def test_planner_counts_graph_fsdp_traffic() -> None:
     [
         (["--parallel.tp=2"], "parallel.tp > 1"),
         (["--parallel.cp=2"], "parallel.cp > 1"),
+        (["--parallel.pp=2"], "parallel.pp > 1"),
         (["--fp8.enabled=true"], "fp8.enabled"),
         (["--parallel.cpu_offload=true"], "parallel.cpu_offload"),
         (["--parallel.forward_prefetch=1"], "parallel.forward_prefetch/backward_prefetch"),
