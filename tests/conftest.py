@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,16 @@ SLOWEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     first = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: files keep order
+
+
+@pytest.fixture
+def zoo_family() -> Iterator[str]:
+    """tests/zoo.py registered in model.FAMILIES for the test: a family with every shape the
+    contract allows (the contract's tests run on it too). Its name."""
+    from tests import zoo
+
+    with zoo.registered():
+        yield zoo.NAME
 
 
 def write_corpus(root: Path, n_docs: int = 40, words_per_doc: int = 400, seed: int = 0) -> Path:
