@@ -47,13 +47,13 @@ from launch.job import JobConfig
 from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
 from launch.resume_rules import explain_misfit, resume_changes
-from model import ModelFamily, get_family, get_hf_mapping
+from model import ModelFamily, get_family, get_hf_mapping, persistent_buffers
 from parallel.ac import ActivationCheckpointConfig
 from parallel.build import build_model
 from parallel.cp import check_cp
 from parallel.dims import LaunchEnv
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
-from parallel.loss import check_chunked_loss
+from parallel.loss import check_chunked_loss, check_output_path
 from parallel.muon import MuonConfig, check_muon
 from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
@@ -127,10 +127,6 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
     on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()
     check_float8(job.fp8, "cuda" if on_gpu else "cpu")
-    if job.checkpoint.init_from_hf:
-        if (mapping := get_hf_mapping(job.model.name)) is None:
-            raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
-        check_hf_config(mapping, args, job.checkpoint.init_from_hf)
     check_muon(job.optim.name, job.parallel.cpu_offload)
     if job.lora.enabled and t.freeze:
         raise ConfigError(
@@ -156,6 +152,18 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         )
     except ModelMismatch as misfit:
         raise explain_misfit(job, misfit) from None
+    if t.loss_chunk_tokens:  # the chunked loss must compute what forward computes
+        check_output_path(family, meta_model, job.model.name)
+    if job.checkpoint.init_from_hf:
+        if (mapping := get_hf_mapping(job.model.name)) is None:
+            raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
+        if buffers := persistent_buffers(meta_model):
+            raise ConfigError(
+                f"checkpoint.init_from_hf: model {job.model.name} keeps state in persistent "
+                f"buffers ({', '.join(buffers)}) that Hugging Face weights do not carry: start "
+                "from a checkpoint of this trainer (checkpoint.load_model_only) instead"
+            )
+        check_hf_config(mapping, args, job.checkpoint.init_from_hf)
     if job.fp8.enabled and (unmatched := unmatched_skips(meta_model, job.fp8.skip)):
         raise ConfigError(
             f"fp8.skip: {', '.join(unmatched)} matches no Linear layer of this model "
@@ -257,6 +265,8 @@ def check_dataset(job: JobConfig, args: Any, sources: tuple[DataSource, ...]) ->
 def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     """`train.py --dry-run`: the resolved config and the run's memory and communication plan,
     printed; nothing is trained and no data is needed."""
+    # The resolved config first: whatever the planner can or cannot derive, it is printed.
+    print(config_to_toml(job))
     shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
     muon = job.optim.muon.ns_dtype if job.optim.name == "muon" else None
     mem = plan_memory(
@@ -293,7 +303,6 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         cp=plan.cp,
         muon_dtype=muon,
     )
-    print(config_to_toml(job))
     print(
         f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard}"
         + (f" x cp={plan.cp}" if plan.cp > 1 else "")
@@ -303,6 +312,11 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
     print(f"# parameters: {shape.numel():,}, trainable {shape.numel(trainable_only=True):,}")
+    if shape.missing:  # one line: what the family's description leaves the planner without
+        print(f"# planner: {job.model.name}: {shape.missing}")
+    else:
+        flops = shape.flops_per_token(job.data.seq_len)
+        print(f"# training FLOPs per token: {int(flops):,} at seq_len {job.data.seq_len}")
     if plan.dataset is None:
         where = ", ".join(data_paths(job.data)) or "no data.path or data.sources"
         print(f"# data: {where} not found (a dry run does not need it; training does)")

@@ -458,10 +458,14 @@ def block_shapes(family: ModelFamily, args: Any) -> list[BlockShape] | None:
 
 
 def persistent_buffers(model: nn.Module) -> list[str]:
-    """Names of the model's persistent buffers: state that checkpoints hold besides the
-    parameters (see the module docstring, "Buffers")."""
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    return [name for name in model.state_dict() if name not in params]
+    """Canonical names of the model's persistent buffers: state that checkpoints hold besides
+    the parameters (see the module docstring, "Buffers")."""
+    return [
+        canonical_name(f"{prefix}.{name}" if prefix else name)
+        for prefix, module in model.named_modules()
+        for name, buffer in module.named_buffers(recurse=False)
+        if buffer is not None and name not in module._non_persistent_buffers_set
+    ]
 
 
 class MoEFamily(ModelFamily, Protocol):
