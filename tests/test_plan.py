@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,7 +17,11 @@ from model import FAMILIES, ModelConfig, count_params, get_family, llama
 from parallel.float8 import Float8Config
 from parallel.plan import activation_bytes, model_shape, plan_communication, plan_memory
 from tests.distributed import run_distributed
+from tests.test_families import RUN_SHAPE
 from tests.test_moe_trainer import MOE
+from tests.zoo import NAME, call_registered
+
+ZOO = [f"--model.name={NAME}", *RUN_SHAPE[NAME]]
 
 # Ring algorithms: bytes one rank sends for an input of `nbytes` on a group of `size` ranks.
 RING = {
@@ -186,8 +191,9 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
             marks=pytest.mark.slow,
         ),
         pytest.param(1, ["--lora.enabled=true"], id="fsdp-lora", marks=pytest.mark.slow),
-        # Expert parallel: the experts' own unit over expert_shard (2 ranks), the all-to-alls.
-        pytest.param(1, [*MOE, "--parallel.ep=2"], id="fsdp-ep2"),
+        # Expert parallel: the experts' own unit over expert_shard (2 ranks), the all-to-alls;
+        # on the test family, whose first block is dense: all-to-alls in the MoE block only.
+        pytest.param(1, [*ZOO, "--parallel.ep=2"], id="fsdp-ep2-mixed-blocks"),
         pytest.param(
             2,
             [*MOE, "--parallel.ep=2", "--ac.mode=full"],
@@ -216,7 +222,7 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
     ],
 )
 def test_planner_matches_instrumented_collectives(
-    tiny_dataset: str, tmp_path: Path, nodes: int, options: list[str]
+    tiny_dataset: str, tmp_path: Path, nodes: int, options: list[str], zoo_family: str
 ) -> None:
     """4 gloo ranks, one optimizer step of 2 micro-batches (bf16 gathers, fp32 reduction):
     bytes per mesh dim within 1% of the planner; sharded state within 10% of its estimate."""
@@ -237,7 +243,7 @@ def test_planner_matches_instrumented_collectives(
         argv.append(f"--parallel.dp_replicate={nodes}")
     if "--fp8.enabled=true" in options:
         pytest.importorskip("torchao", reason="fp8 extra not installed")
-    results = run_distributed(instrumented_step, 4, argv, nodes=nodes)
+    results = run_distributed(partial(call_registered, instrumented_step), 4, argv, nodes=nodes)
     job = parse_config(JobConfig, argv)
     family = get_family(job.model.name)
     shape = model_shape(family, family.build_args(job.model), job.fp8, job.lora, job.train.freeze)
@@ -452,6 +458,40 @@ def test_a_description_its_blocks_contradict_is_named_not_used(
                                      described(args)[0].matrix_numel(args.dim)))  # fmt: skip
     assert f"{said} weights in matrices, the model's block holds {held}:" in shape.missing
     assert math.isnan(plan_memory(shape, 1, 1, 64)["activations"])
+
+
+def test_dry_run_prints_the_config_then_the_plan_of_any_family(
+    zoo_family: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`train.py --dry-run` (no data): the test family's block mix gets its parameter count
+    (the model's own) and FLOPs; a family without block_shapes gets the resolved config, the
+    plan with n/a terms and one line saying why."""
+    import tomllib
+
+    from configs import parse_config
+    from launch.check import check_config, dry_run
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+
+    monkeypatch.setitem(FAMILIES, "undescribed", _undescribed())
+    env = LaunchEnv(0, 0, 8, 8, 1)
+    for name in (zoo_family, "undescribed"):
+        job = parse_config(JobConfig, [f"--model.name={name}", "--dry-run",
+                                       "--train.micro_batch_size=1"])  # fmt: skip
+        dry_run(job, check_config(job, env), env)
+        out = capsys.readouterr().out
+        assert tomllib.loads(out)["model"]["name"] == name  # the resolved config, first
+        family, args = FAMILIES[name], FAMILIES[name].build_args(job.model)
+        with torch.device("meta"):
+            model = family.build_model(args)
+        assert f"# parameters: {count_params(model):,}, trainable" in out
+        notes = [line for line in out.splitlines() if line.startswith("# planner:")]
+        if name == zoo_family:
+            flops = family.flops_per_token(model, job.data.seq_len)
+            assert f"# training FLOPs per token: {flops:,} at seq_len" in out and notes == []
+        else:
+            assert notes == [f"# planner: {name}: {model_shape(family, args).missing}"]
+            assert "n/a" in out and "estimated memory per rank" in out
 
 
 @pytest.mark.parametrize(

@@ -77,7 +77,8 @@ class ZooArgs:
     router_z_loss_coef: float = 0.0
     """Weight of the router z-loss."""
     bias_update_rate: float = 0.001
-    """How far each step moves an expert's routing bias towards balance (DeepSeek-V3's gamma)."""
+    """How far each step moves an expert's routing bias towards balance (DeepSeek-V3's gamma,
+    here times the expert's shortfall from the mean load, relative to it)."""
     logit_softcap: float = 30.0
     """Logits become softcap * tanh(logits / softcap) (Gemma 2's final soft-capping)."""
     norm_eps: float = 1e-5
@@ -327,9 +328,11 @@ def routers(model: nn.Module) -> list[BiasedRouter]:
 
 class RoutingBiasTerms(MoETerms):
     """The aux loss and expert load (model.moe.MoETerms, logged by block), and after each step
-    each router's bias moved by `bias_update_rate` towards its experts' mean load: up for an
-    expert below it, down above. The load is summed over micro-batches and ranks, so every
-    rank makes the same update."""
+    each router's bias moved towards balance: by `bias_update_rate` x (mean - load) / mean,
+    up for an expert below the mean load, down above (DeepSeek-V3 moves it by the rate times
+    the sign; a relative step keeps a bias that swings back and forth from landing on exactly
+    0 again). The load is summed over micro-batches and ranks: every rank makes the same
+    update."""
 
     def __init__(self, model: nn.Module) -> None:
         args = model.args
@@ -340,7 +343,8 @@ class RoutingBiasTerms(MoETerms):
         load = stats[1:].view(len(self.routers), -1)
         with torch.no_grad():
             for router, tokens in zip(self.routers, load, strict=True):
-                local(router.bias).add_(self.rate * torch.sign(tokens.mean() - tokens))
+                mean = tokens.mean().clamp(min=1)
+                local(router.bias).add_(self.rate * (mean - tokens) / mean)
         return super().after_step(stats, log)
 
 
