@@ -298,11 +298,13 @@ def test_the_logits_are_the_output_layer_of_the_hidden_states(family: str) -> No
     output layer applied to forward(..., hidden_only=True), which is what the chunked loss
     computes (the test family's soft-capping included)."""
     model = initialized(family)
+    if (layer := output_layer(FAMILIES[family], model)) is None:  # optional (no chunked loss)
+        pytest.skip(f"{family} has no output_layer(model)")
     tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         hidden = model(tokens, hidden_only=True)
         assert hidden.shape == (2, SEQ, model.args.dim)
-        assert torch.equal(output_layer(FAMILIES[family], model)(hidden), model(tokens))
+        assert torch.equal(layer(hidden), model(tokens))
 
 
 def test_persistent_buffers_are_checkpoint_state_hugging_face_files_refuse(

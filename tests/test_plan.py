@@ -341,15 +341,20 @@ def test_cli_expert_parallel_for_a_mixture_of_experts(capsys: pytest.CaptureFixt
 
 def test_planner_counts_every_family_and_flavor(zoo_family: str) -> None:
     """Every flavor of every registered family (the test family with its dense first block,
-    GeLU MLP and shared experts too): the planner's parameters are the model's own, its
-    description of the blocks holds, and its FLOPs per token are the family's own count."""
+    GeLU MLP and shared experts too): the planner's parameters are the model's own; a
+    family's block_shapes (optional) hold for its blocks, and the FLOPs per token the planner
+    derives from them are the family's own count (the convention of model/__init__.py)."""
     for name, family in FAMILIES.items():
         for flavor, args in family.FLAVORS.items():
             shape = model_shape(family, args)
             with torch.device("meta"):
                 model = family.build_model(args)
             assert shape.numel() == count_params(model), (name, flavor)
-            assert shape.missing == "" and shape.n_layers == args.n_layers, (name, flavor)
+            assert shape.n_layers == len(family.fsdp_units(model)), (name, flavor)
+            if not hasattr(family, "block_shapes"):
+                assert shape.missing.startswith("the family gives no block_shapes"), name
+                continue
+            assert shape.missing == "", (name, flavor, shape.missing)
             flops = family.flops_per_token(model, 4096)
             assert shape.flops_per_token(4096) == flops, (name, flavor)
 
@@ -381,15 +386,16 @@ def test_activation_estimate_follows_what_every_familys_blocks_keep(
 ) -> None:
     """What the CPU allocator holds after a forward (fp32, 2 x 32 tokens, 4 blocks: the test
     family's first dense) is the planner's activations plus the logits, within 20% (measured:
-    0.85-1.11 for each family). The FFN, expert and shared-expert terms come from each
-    family's block description."""
+    0.85-1.11 for each), for the families the formulas were measured on. The FFN, expert and
+    shared-expert terms come from each family's block description."""
     from parallel.ac import ActivationCheckpointConfig, apply_ac
     from tests.test_ac_compile import forward_bytes
 
     own = {"qwen3": {"ffn_dim": 256}, "qwen3_moe": {"n_experts": 4, "moe_ffn_dim": 64},
            zoo_family: {"n_experts": 4, "ffn_dim": 256, "shared_ffn_dim": 128}}  # fmt: skip
     torch.set_num_threads(1)
-    for name, family in FAMILIES.items():
+    for name in ("llama3", "qwen3", "qwen3_moe", zoo_family):
+        family = FAMILIES[name]
         cfg = ModelConfig(name, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128,
                           **own.get(name, {}))  # fmt: skip
         args = family.build_args(cfg)
