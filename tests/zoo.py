@@ -420,14 +420,16 @@ def step_terms(model: nn.Module) -> RoutingBiasTerms:
 
 @contextmanager
 def registered() -> Iterator[None]:
-    """`model.FAMILIES` with this family as "zoo", for the duration."""
-    added = NAME not in FAMILIES
+    """`model.FAMILIES` with this family as "zoo", for the duration (then as it was)."""
+    before = FAMILIES.get(NAME)
     FAMILIES[NAME] = sys.modules[__name__]  # type: ignore[assignment]
     try:
         yield
     finally:
-        if added:
+        if before is None:
             del FAMILIES[NAME]
+        else:
+            FAMILIES[NAME] = before
 
 
 def call_registered(fn: Callable[..., Any], *args: Any) -> Any:
