@@ -47,13 +47,13 @@ from launch.job import JobConfig
 from launch.lifecycle import RunLock, setup_logging
 from launch.plan import format_plan
 from launch.resume_rules import explain_misfit, resume_changes
-from model import ModelFamily, get_family, get_hf_mapping, persistent_buffers
+from model import ModelFamily, get_family, get_hf_mapping, output_layer, persistent_buffers
 from parallel.ac import ActivationCheckpointConfig
 from parallel.build import build_model
 from parallel.cp import check_cp
 from parallel.dims import LaunchEnv
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
-from parallel.loss import check_chunked_loss, check_output_path
+from parallel.loss import check_chunked_loss
 from parallel.muon import MuonConfig, check_muon
 from parallel.plan import model_shape, plan_communication, plan_memory
 from parallel.tp import check_tp
@@ -152,8 +152,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         )
     except ModelMismatch as misfit:
         raise explain_misfit(job, misfit) from None
-    if t.loss_chunk_tokens:  # the chunked loss must compute what forward computes
-        check_output_path(family, meta_model, job.model.name)
+    check_forward(family, meta_model, job.model.name, bool(t.loss_chunk_tokens))
     if job.checkpoint.init_from_hf:
         if (mapping := get_hf_mapping(job.model.name)) is None:
             raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
@@ -185,6 +184,52 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         tp=job.parallel.tp, ep=job.parallel.ep, cp=job.parallel.cp, sources=sources,
         tasks=tasks,
     )  # fmt: skip
+
+
+def check_forward(family: ModelFamily, model: torch.nn.Module, name: str, chunked: bool) -> None:
+    """What the trainer cannot honour in a family's forward, found by one forward of two tokens
+    on the model built on meta (shapes only: no memory, no compute), before any process group:
+    a persistent buffer that forward changes (AC recomputes forward, each rank sees other
+    tokens: update it in after_step), and, for the chunked loss, logits that are not the
+    output layer's own output (what forward did after that layer, the chunks would skip).
+    A forward that cannot run on meta is only an error where the chunked loss needs the check
+    (model/__init__.py: Buffers, the output path)."""
+    buffers = {n: model.get_buffer(n) for n in persistent_buffers(model)}
+    versions = {n: b._version for n, b in buffers.items()}
+    outputs: list[torch.Tensor] = []
+    layer = output_layer(family, model) if chunked else None
+    hook = layer.register_forward_hook(lambda _m, _a, out: outputs.append(out)) if layer else None
+    try:
+        model.init_buffers(2)
+        with torch.no_grad():
+            logits = model(torch.zeros(1, 2, dtype=torch.long, device="meta"))
+    except Exception as err:  # noqa: BLE001 - any failure means the forward went unchecked
+        if not chunked:
+            return
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise ConfigError(
+            f"train.loss_chunk_tokens: model {name}'s forward does not run on the meta device "
+            f"({type(err).__name__}: {first}), where the trainer checks that the chunked loss "
+            "computes what forward does (model/__init__.py, the output path); or set "
+            "train.loss_chunk_tokens=0"
+        ) from None
+    finally:
+        if hook is not None:
+            hook.remove()
+    changed = [n for n, b in buffers.items()
+               if model.get_buffer(n) is not b or b._version != versions[n]]  # fmt: skip
+    if changed:
+        raise ConfigError(
+            f"model {name}'s forward changes its persistent buffers ({', '.join(changed)}), "
+            "which activation checkpointing would change twice and each rank differently: "
+            "update them in step_terms(model).after_step (model/__init__.py, Buffers)"
+        )
+    if chunked and not any(logits is out for out in outputs):
+        raise ConfigError(
+            f"train.loss_chunk_tokens: model {name}'s forward changes the logits after "
+            "output_layer(model) (soft-capping, a scale?), which the chunked loss would skip: "
+            "do it inside the output layer's forward (model/__init__.py, the output path)"
+        )
 
 
 def unintended_settings(job: JobConfig) -> list[str]:

@@ -53,7 +53,7 @@ What the trainer may assume, and nothing more:
   convert the projection alone, and fp8.skip's default 'output' keeps it in high precision), so
   that `forward` returns the layer's output unchanged. Whole and chunked loss then compute
   the same thing; with `train.loss_chunk_tokens` the trainer checks this at start on the
-  model on meta (parallel/loss.py `check_output_path`: a config error otherwise), and
+  model on meta (launch/check.py `check_forward`: a config error otherwise), and
   tests/test_families.py compares the values.
 - **FSDP units.** `fsdp_units(model)`: the modules sharded as their own unit, in forward order
   (the transformer blocks); what is left (embeddings, final norm, output) is the root unit.
@@ -75,7 +75,8 @@ What the trainer may assume, and nothing more:
   it is a replicated DTensor: read and update it through `model.moe.local`), so it must stay
   the same on every rank: `init_weights` sets it after `to_empty` (from the seed and args
   alone), `forward` never changes it (activation checkpointing runs forward twice, and the
-  ranks see different tokens), and only `StepTerms.after_step` updates it, from the step's
+  ranks see different tokens; checked at start by a forward on meta, launch/check.py
+  `check_forward`), and only `StepTerms.after_step` updates it, from the step's
   statistics summed over the ranks. Hugging Face files carry parameters only:
   `checkpoint.init_from_hf` and the export refuse a model with persistent buffers (a config
   error at start).

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from configs import ConfigError
-from model import ModelFamily, output_layer
+from model import ModelFamily
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -89,34 +89,4 @@ def check_chunked_loss(
             "train.loss_chunk_tokens with parallel.reshard_after_forward='always': the chunked "
             "loss uses the output projection after the root unit's forward, which 'always' "
             "frees; use 'default' (it frees every block but the last, never the root)"
-        )
-
-
-def check_output_path(family: ModelFamily, model: nn.Module, name: str) -> None:
-    """ConfigError, before any process group, unless the logits of `model` (built on meta, as
-    the checks build it) are its output layer's output, unchanged: whatever `forward` did after
-    that layer (soft-capping, a final scale) the chunked loss would skip. One forward of two
-    tokens on meta: shapes only, no memory, no compute."""
-    layer = output_layer(family, model)
-    outputs: list[torch.Tensor] = []
-    hook = layer.register_forward_hook(lambda _module, _args, out: outputs.append(out))
-    try:
-        model.init_buffers(2)
-        with torch.no_grad():
-            logits = model(torch.zeros(1, 2, dtype=torch.long, device="meta"))
-    except Exception as err:  # noqa: BLE001 - any failure means the path went unchecked
-        first = str(err).splitlines()[0] if str(err) else ""
-        raise ConfigError(
-            f"train.loss_chunk_tokens: model {name}'s forward does not run on the meta device "
-            f"({type(err).__name__}: {first}), where the trainer checks that the chunked loss "
-            "computes what forward does (model/__init__.py, the output path); or set "
-            "train.loss_chunk_tokens=0"
-        ) from None
-    finally:
-        hook.remove()
-    if not any(logits is out for out in outputs):
-        raise ConfigError(
-            f"train.loss_chunk_tokens: model {name}'s forward changes the logits after "
-            "output_layer(model) (soft-capping, a scale?), which the chunked loss would skip: "
-            "do it inside the output layer's forward (model/__init__.py, the output path)"
         )

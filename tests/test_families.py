@@ -332,6 +332,36 @@ def test_persistent_buffers_are_checkpoint_state_hugging_face_files_refuse(
         check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, 1, 1, 1))
 
 
+class DriftingZoo(zoo.Zoo):
+    """The test family with a routing bias that forward changes: what the contract forbids."""
+
+    def forward(self, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        for router in zoo.routers(self):
+            router.bias.add_(1.0)
+        return super().forward(tokens, **kwargs)
+
+
+def test_a_forward_that_changes_a_persistent_buffer_is_refused_at_start(
+    tiny_dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """check_config runs the model on meta once and finds the buffer changed: one line naming
+    it, before any process group; the test family itself passes."""
+    from configs import ConfigError, parse_config
+    from launch.check import check_config
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+
+    monkeypatch.setattr(zoo, "build_model", DriftingZoo)
+    argv = [f"--data.path={tiny_dataset}", *TINY, f"--model.name={zoo.NAME}",
+            "--train.micro_batch_size=4"]  # fmt: skip
+    drift = r"forward changes its persistent buffers \(layers.1.moe.router.bias\)"
+    with pytest.raises(ConfigError, match=drift) as err:
+        check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, 1, 1, 1))
+    assert "\n" not in str(err.value)
+    monkeypatch.undo()
+    check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, 1, 1, 1))
+
+
 # ---- document masking --------------------------------------------------------------------------
 
 
