@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from configs import ConfigError
-from model import HFMapping, canonical_name, hf_split_names
+from model import HFMapping, canonical_name, hf_split_names, persistent_buffers
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -47,6 +47,11 @@ def hf_tensors(
     or None for all of it), for the parameters whose canonical names are not in `exclude`. A
     parameter the mapping splits (stacked experts, one HF tensor per expert:
     `model.hf_split_names`) gives one entry per row. A tied weight is listed once."""
+    if buffers := persistent_buffers(model):  # state HF files would silently lose
+        raise ConfigError(
+            f"the model keeps state in persistent buffers ({', '.join(buffers)}) that Hugging "
+            "Face weights do not carry (model/__init__.py, Buffers)"
+        )
     tensors: dict[str, tuple[str, torch.Tensor, int | None]] = {}
     for name, param in model.named_parameters():
         if canonical_name(name) in exclude:

@@ -49,7 +49,7 @@ from launch.metrics import MetricsConfig
 from launch.plan import format_plan
 from launch.resume_rules import explain_misfit, resume_changes
 from launch.wandb_run import check_wandb
-from model import ModelFamily, get_family, get_hf_mapping
+from model import ModelFamily, get_family, get_hf_mapping, output_layer, persistent_buffers
 from parallel.ac import ActivationCheckpointConfig
 from parallel.build import build_model
 from parallel.cp import check_cp
@@ -143,10 +143,6 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
     on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()
     check_float8(job.fp8, "cuda" if on_gpu else "cpu")
-    if job.checkpoint.init_from_hf:
-        if (mapping := get_hf_mapping(job.model.name)) is None:
-            raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
-        check_hf_config(mapping, args, job.checkpoint.init_from_hf)
     check_muon(job.optim.name, job.parallel.cpu_offload)
     if not job.dry_run:  # as for the data: a dry run plans, W&B need not be set up here (yet)
         check_wandb(job.metrics, os.environ)
@@ -176,6 +172,17 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         )
     except ModelMismatch as misfit:
         raise explain_misfit(job, misfit) from None
+    check_forward(family, meta_model, job.model.name, bool(t.loss_chunk_tokens))
+    if job.checkpoint.init_from_hf:
+        if (mapping := get_hf_mapping(job.model.name)) is None:
+            raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
+        if buffers := persistent_buffers(meta_model):
+            raise ConfigError(
+                f"checkpoint.init_from_hf: model {job.model.name} keeps state in persistent "
+                f"buffers ({', '.join(buffers)}) that Hugging Face weights do not carry: start "
+                "from a checkpoint of this trainer (checkpoint.load_model_only) instead"
+            )
+        check_hf_config(mapping, args, job.checkpoint.init_from_hf)
     if job.fp8.enabled and (unmatched := unmatched_skips(meta_model, job.fp8.skip)):
         raise ConfigError(
             f"fp8.skip: {', '.join(unmatched)} matches no Linear layer of this model "
@@ -207,6 +214,52 @@ def pipeline_split(job: JobConfig, family: ModelFamily, args: Any) -> tuple[int,
         return tuple(cfg.split)
     costs, output = block_costs(model_shape(family, args), job.data.seq_len)
     return tuple(balanced_split(costs, output, pp * cfg.local_stages()))
+
+
+def check_forward(family: ModelFamily, model: torch.nn.Module, name: str, chunked: bool) -> None:
+    """What the trainer cannot honour in a family's forward, found by one forward of two tokens
+    on the model built on meta (shapes only: no memory, no compute), before any process group:
+    a persistent buffer that forward changes (AC recomputes forward, each rank sees other
+    tokens: update it in after_step), and, for the chunked loss, logits that are not the
+    output layer's own output (what forward did after that layer, the chunks would skip).
+    A forward that cannot run on meta is only an error where the chunked loss needs the check
+    (model/__init__.py: Buffers, the output path)."""
+    buffers = {n: model.get_buffer(n) for n in persistent_buffers(model)}
+    versions = {n: b._version for n, b in buffers.items()}
+    outputs: list[torch.Tensor] = []
+    layer = output_layer(family, model) if chunked else None
+    hook = layer.register_forward_hook(lambda _m, _a, out: outputs.append(out)) if layer else None
+    try:
+        model.init_buffers(2)
+        with torch.no_grad():
+            logits = model(torch.zeros(1, 2, dtype=torch.long, device="meta"))
+    except Exception as err:  # noqa: BLE001 - any failure means the forward went unchecked
+        if not chunked:
+            return
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise ConfigError(
+            f"train.loss_chunk_tokens: model {name}'s forward does not run on the meta device "
+            f"({type(err).__name__}: {first}), where the trainer checks that the chunked loss "
+            "computes what forward does (model/__init__.py, the output path); or set "
+            "train.loss_chunk_tokens=0"
+        ) from None
+    finally:
+        if hook is not None:
+            hook.remove()
+    changed = [n for n, b in buffers.items()
+               if model.get_buffer(n) is not b or b._version != versions[n]]  # fmt: skip
+    if changed:
+        raise ConfigError(
+            f"model {name}'s forward changes its persistent buffers ({', '.join(changed)}), "
+            "which activation checkpointing would change twice and each rank differently: "
+            "update them in step_terms(model).after_step (model/__init__.py, Buffers)"
+        )
+    if chunked and not any(logits is out for out in outputs):
+        raise ConfigError(
+            f"train.loss_chunk_tokens: model {name}'s forward changes the logits after "
+            "output_layer(model) (soft-capping, a scale?), which the chunked loss would skip: "
+            "do it inside the output layer's forward (model/__init__.py, the output path)"
+        )
 
 
 def unintended_settings(job: JobConfig) -> list[str]:
@@ -293,6 +346,8 @@ def check_dataset(job: JobConfig, args: Any, sources: tuple[DataSource, ...]) ->
 def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     """`train.py --dry-run`: the resolved config and the run's memory and communication plan,
     printed; nothing is trained and no data is needed."""
+    # The resolved config first: whatever the planner can or cannot derive, it is printed.
+    print(config_to_toml(job))
     shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
     muon = job.optim.muon.ns_dtype if job.optim.name == "muon" else None
     pipelined = plan.pp > 1
@@ -351,7 +406,6 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
             job.train.micro_batch_size, job.data.seq_len, memory, communication,
             job.parallel.param_dtype, plan.tp, plan.cp,
         )  # fmt: skip
-    print(config_to_toml(job))
     print(
         f"# mesh: {f'pp={plan.pp} x ' if pipelined else ''}dp_replicate={plan.dp_replicate} x "
         f"dp_shard={plan.dp_shard}"
@@ -366,6 +420,11 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         print(f"# compile.fsdp='graph': per micro-batch {len(buckets.all_gather)} all-gather "
               f"buckets in forward (largest {max(buckets.all_gather) / 2**20:.1f} MiB), "
               f"{len(buckets.reduce_scatter)} reduce-scatter buckets in backward")  # fmt: skip
+    if shape.missing:  # one line: what the family's description leaves the planner without
+        print(f"# planner: {job.model.name}: {shape.missing}")
+    else:
+        flops = shape.flops_per_token(job.data.seq_len)
+        print(f"# training FLOPs per token: {int(flops):,} at seq_len {job.data.seq_len}")
     if plan.dataset is None:
         where = ", ".join(data_paths(job.data)) or "no data.path or data.sources"
         print(f"# data: {where} not found (a dry run does not need it; training does)")

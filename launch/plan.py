@@ -19,12 +19,22 @@ the configured run. The formulas, and how they follow this trainer, are in paral
 from __future__ import annotations
 
 import argparse
+import math
+import sys
+from collections.abc import Iterable
+from typing import NoReturn
 
-from model import ModelConfig, get_family
+from configs import ConfigError
+from model import FAMILIES, ModelConfig, get_family
 from parallel.float8 import Float8Config
 from parallel.lora import LoRAConfig
 from parallel.plan import BYTES, ModelShape, model_shape, plan_communication, plan_memory
 from parallel.pp_plan import SCHEDULES, PipelineConfig, plan_pipeline
+
+
+def known(values: Iterable[float]) -> float:
+    """The sum of the terms the planner could derive (a nan one is not known: `missing`)."""
+    return sum(v for v in values if not math.isnan(v))
 
 
 def comm_seconds(
@@ -32,15 +42,19 @@ def comm_seconds(
 ) -> float:
     """Communication time if nothing overlaps, bandwidths in bytes/s per GPU (tp_bw: inside
     a node, where tensor parallel, context parallel's K/V collectives and expert parallel's
-    all-to-alls stay; the experts' expert_shard group spans the nodes like dp_shard)."""
-    shard = sum(comm["dp_shard"].values()) / shard_bw
-    shard += sum(comm.get("expert_shard", {}).values()) / shard_bw
-    inside = sum(sum(comm.get(dim, {}).values()) for dim in ("tp", "cp", "ep"))
-    across = sum(comm["dp_replicate"].values()) + sum(comm.get("pp", {}).values())  # nodes
+    all-to-alls stay; the experts' expert_shard group spans the nodes like dp_shard; pipeline
+    parallel's sends cross nodes like dp_replicate). Terms the planner could not derive count
+    as 0."""
+    shard = known(comm["dp_shard"].values()) / shard_bw
+    shard += known(comm.get("expert_shard", {}).values()) / shard_bw
+    inside = sum(known(comm.get(dim, {}).values()) for dim in ("tp", "cp", "ep"))
+    across = known(comm["dp_replicate"].values()) + known(comm.get("pp", {}).values())  # nodes
     return shard + across / replicate_bw + inside / tp_bw
 
 
 def _size(nbytes: float) -> str:
+    if math.isnan(nbytes):
+        return f"{'n/a':>22}"
     unit, scale = ("GiB", 2**30) if nbytes >= 2**30 else ("MiB", 2**20)
     return f"{nbytes / scale:>18.2f} {unit}"
 
@@ -55,7 +69,7 @@ def format_plan(
     memories = [mem for mem, _ in columns.values()]
     for key in memories[0]:
         lines.append(f"  {'memory: ' + key:<{width}}" + "".join(_size(m[key]) for m in memories))
-    totals = "".join(_size(sum(m.values())) for m in memories)
+    totals = "".join(_size(known(m.values())) for m in memories)
     lines.append(f"  {'estimated memory per rank':<{width}}" + totals)
     for dim, coll in (
         ("dp_shard", "all_gather"),
@@ -80,28 +94,49 @@ def format_plan(
     return lines
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one ConfigError line (its own prints the usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (python -m launch.plan --help lists the options)")
+
+
+def _positive(kind: type) -> type:
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # what argparse names in "invalid int value"
+    return parse  # type: ignore[return-value]
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="8B", help="the family's flavor (default 8B)")
-    p.add_argument("--family", default=ModelConfig().name, help="the trainer's --model.name")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (sequences)")
-    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--family", default=ModelConfig().name, choices=list(FAMILIES),
+                   help="the trainer's --model.name: one of the registered families, "
+                   f"{', '.join(FAMILIES)}")  # fmt: skip
+    count, size = _positive(int), _positive(float)
+    p.add_argument("--nodes", type=count, default=1)
+    p.add_argument("--gpus-per-node", type=count, default=8)
+    p.add_argument("--seq-len", type=count, default=8192)
+    p.add_argument("--batch", type=count, default=1, help="micro-batch per GPU (sequences)")
+    p.add_argument("--grad-accum", type=count, default=1)
     p.add_argument("--fp8", action="store_true", help="fp8 tensorwise (fp8.filter=auto)")
     p.add_argument("--ac", default="none", choices=["none", "full", "selective", "op"])
-    p.add_argument("--ac-every", type=int, default=2)
+    p.add_argument("--ac-every", type=count, default=2)
     p.add_argument("--param-dtype", default="bfloat16", choices=list(BYTES))
     p.add_argument("--reduce-dtype", default="float32", choices=list(BYTES))
     p.add_argument("--reshard", default="default", choices=["default", "always", "never"])
-    p.add_argument("--intra-bw", type=float, default=900, help="GB/s per GPU inside a node")
-    p.add_argument("--inter-bw", type=float, default=50, help="GB/s per GPU across nodes")
-    p.add_argument("--gpu-mem", type=float, default=80, help="GB per GPU")
-    p.add_argument("--tp", type=int, nargs="*", default=[8], help="TP degrees to compare")
-    p.add_argument("--cp", type=int, nargs="*", default=[], help="context-parallel degrees to "
-                   "compare (FSDP over dp_shard x cp, cp inside a node)")  # fmt: skip
-    p.add_argument("--ep", type=int, nargs="*", default=[], help="EP degrees to compare "
+    p.add_argument("--intra-bw", type=size, default=900, help="GB/s per GPU inside a node")
+    p.add_argument("--inter-bw", type=size, default=50, help="GB/s per GPU across nodes")
+    p.add_argument("--gpu-mem", type=size, default=80, help="GB per GPU")
+    p.add_argument("--tp", type=count, nargs="*", default=[8], help="TP degrees to compare")
+    p.add_argument("--cp", type=count, nargs="*", default=[], help="context-parallel degrees "
+                   "to compare (FSDP over dp_shard x cp, cp inside a node)")  # fmt: skip
+    p.add_argument("--ep", type=count, nargs="*", default=[], help="EP degrees to compare "
                    "(mixture of experts: FSDP over all GPUs, EP inside a node)")  # fmt: skip
     p.add_argument(
         "--pp",
@@ -140,7 +175,7 @@ def _meshes(a: argparse.Namespace, shape: ModelShape) -> dict[str, tuple[int, in
         if tp > 1 and a.gpus_per_node % tp == 0:
             meshes[f"FSDP 1x{world // tp} TP{tp}"] = (1, world // tp, tp, 1, 1)
     # Expert parallel: groups of ep GPUs of one node inside FSDP over all of them.
-    for ep in a.ep if shape.top_k else []:
+    for ep in a.ep if shape.n_experts else []:
         if ep > 1 and a.gpus_per_node % ep == 0 and shape.n_experts % ep == 0:
             meshes[f"FSDP 1x{world} EP{ep}"] = (1, world, 1, ep, 1)
     # Context parallel: groups of cp GPUs of one node split each sequence (2 x cp chunks);
@@ -210,7 +245,17 @@ def _pipeline_columns(
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    """Print the plans; a bad option or model is one `config error:` line and status 2."""
+    try:
+        return _plan(_parser().parse_args(argv))
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+
+
+def _plan(a: argparse.Namespace) -> int:
+    if a.loss_chunk_tokens < 0:
+        raise ConfigError(f"--loss-chunk-tokens must be >= 0, got {a.loss_chunk_tokens}")
     family = get_family(a.family)
     args = family.build_args(ModelConfig(name=a.family, flavor=a.model))
     lora = LoRAConfig(enabled=True, rank=a.lora_rank) if a.lora_rank > 0 else None
@@ -235,20 +280,26 @@ def main(argv: list[str] | None = None) -> int:
     bubbles = _pipeline_columns(a, shape, columns, seconds)
     n_params, n_trained = shape.numel(), shape.numel(trainable_only=True)
     trains = f", {n_trained / 1e9:.3f}B trainable" if n_trained < n_params else ""
-    if shape.top_k:
+    if shape.n_experts and shape.blocks is not None:
         trains += f", {shape.active_numel() / 1e9:.2f}B active per token"
     print(f"{a.family} {a.model} ({n_params / 1e9:.2f}B parameters{trains}) on {a.nodes} x "
           f"{a.gpus_per_node}")  # fmt: skip
+    if shape.missing:  # one line: what this family's description leaves the planner without
+        print(f"planner: {a.family}: {shape.missing}")
+    else:
+        flops = shape.flops_per_token(a.seq_len)
+        print(f"training FLOPs per token at seq {a.seq_len}: {flops / 1e9:.2f} GFLOP")
     print("\n".join(format_plan(columns)))
+    partly = " (without the n/a terms)" if shape.missing else ""
     for name, (mem, _) in columns.items():
-        total = sum(mem.values())
+        total = known(mem.values())
         fits = "fits" if total <= a.gpu_mem * 1e9 else "does NOT fit"
         bubble = f" + bubble {bubbles[name]}" if name in bubbles else ""
-        print(f"{name}: {total / 1e9:.1f} GB {fits} in {a.gpu_mem:g} GB; "
+        print(f"{name}: {total / 1e9:.1f} GB{partly} {fits} in {a.gpu_mem:g} GB; "
               f"communication{bubble} {seconds[name]:.2f} s/step if not overlapped")  # fmt: skip
     best = min(seconds, key=seconds.__getitem__)
     print(f"faster communication: {best}")
-    fitting = [n for n, (mem, _) in columns.items() if sum(mem.values()) <= a.gpu_mem * 1e9]
+    fitting = [n for n, (mem, _) in columns.items() if known(mem.values()) <= a.gpu_mem * 1e9]
     if fitting:
         print(f"recommended: {min(fitting, key=seconds.__getitem__)} (the faster one that fits)")
     else:

@@ -41,20 +41,50 @@ What the trainer may assume, and nothing more:
   weights were loaded from elsewhere). Parameter names are the checkpoint keys: they must not
   depend on the mesh, and wrappers (`torch.compile`, activation checkpointing) are stripped by
   `canonical_name`.
-- **The output projection, apart** (optional: `output_layer(model)`, read through
+- **The output path, apart** (optional: `output_layer(model)`, read through
   `model.output_layer(family, model)`; `train.loss_chunk_tokens` needs it): the module that
   turns the final hidden states into logits, called as `layer(hidden)`, and
   `forward(..., hidden_only=True)`, which returns its input, (batch, seq, dim), instead of
   the logits, with everything else of the forward unchanged (an MoE's terms are kept). The
   trainer then applies the layer itself, a chunk of tokens at a time (parallel/loss.py). It
-  must stay in the root FSDP unit (not inside `fsdp_units`).
+  must stay in the root FSDP unit (not inside `fsdp_units`). It is the *whole* path after the
+  hidden states: an operation on the logits (soft-capping, a final scale) goes inside this
+  module's forward, around its projection (a Linear of its own: LoRA and float8 then adapt or
+  convert the projection alone, and fp8.skip's default 'output' keeps it in high precision), so
+  that `forward` returns the layer's output unchanged. Whole and chunked loss then compute
+  the same thing; with `train.loss_chunk_tokens` the trainer checks this at start on the
+  model on meta (launch/check.py `check_forward`: a config error otherwise), and
+  tests/test_families.py compares the values.
 - **FSDP units.** `fsdp_units(model)`: the modules sharded as their own unit, in forward order
   (the transformer blocks); what is left (embeddings, final norm, output) is the root unit.
+  Blocks need not be alike: a dense first block and MoE blocks after it, FFNs of other widths
+  or matrix counts (a two-matrix GeLU MLP beside SwiGLU experts), shared experts. Each block
+  takes the hidden states, the RoPE rows and the mask positionally and returns its hidden
+  states (an MoE block also its terms, below).
   Pipeline parallel (parallel/pp_split.py) cuts the model between them: a stage replaces the
   other stages' blocks by pass-throughs (their extra outputs zeros, so sums over blocks add up
   across stages) and the modules outside the blocks by pass-throughs except on the first stage
   (those before the first block) or the last (after the last block). So the forward must not
   compute on the hidden state outside modules between the embeddings and the output.
+- **Block shapes** (optional: `block_shapes(args) -> list[model.blocks.BlockShape]`, one per
+  FSDP unit, read through `model.block_shapes(family, args)`): each block's attention, dense FFN
+  (width, matrix count), routed experts (count, top_k, expert FFN) and shared expert, as plain
+  data (model/blocks.py). The planner (parallel/plan.py) reads parameters from the model
+  itself, and activations, FLOPs and context/expert parallel traffic from these; a family
+  without them (or whose description disagrees with a block's matrices) is still planned,
+  those terms left out, with one line that says why.
+- **Buffers.** Non-persistent buffers (the RoPE table) are functions of the args, rebuilt by
+  `init_buffers`. A persistent buffer (`register_buffer(name, t)`: a routing bias, say) is
+  state like a parameter: in `state_dict` under its name, so checkpoints save and resume it on
+  any mesh. It is whole on every rank (FSDP does not shard buffers; under a "replicate" TP style
+  it is a replicated DTensor: read and update it through `model.moe.local`), so it must stay
+  the same on every rank: `init_weights` sets it after `to_empty` (from the seed and args
+  alone), `forward` never changes it (activation checkpointing runs forward twice, and the
+  ranks see different tokens; checked at start by a forward on meta, launch/check.py
+  `check_forward`), and only `StepTerms.after_step` updates it, from the step's
+  statistics summed over the ranks. Hugging Face files carry parameters only:
+  `checkpoint.init_from_hf` and the export refuse a model with persistent buffers (a config
+  error at start).
 - **FP8 candidates.** `fp8_linears(model)`: names of the `nn.Linear` layers FP8 may convert
   (the FP8 policy then filters by shape and `fp8.skip`).
 - **Fine-tuning** (`parallel/freeze.py`, `parallel/lora.py`): `train.freeze` matches parameter
@@ -92,10 +122,13 @@ What the trainer may assume, and nothing more:
 A **mixture-of-experts** family (`MoEFamily`; `moe_family(family)` says whether one is) also
 provides, and `parallel/` may assume:
 
+- **MoE blocks may be some of the blocks** (dense ones before them, say); `expert_modules`
+  lists those that have experts, and the expert load is logged by block index.
 - **The auxiliary loss reaches the trainer through the model**, not through `forward`'s result
-  (which stays the logits, so everything that reads logits is unchanged): each block returns its
-  MoE layer's terms as extra outputs (compile, AC and FSDP see plain tensors; no collective and
-  no state inside a block) and the model's forward keeps their total until the next forward;
+  (which stays the logits, so everything that reads logits is unchanged): each MoE block
+  returns its layer's terms as extra outputs (compile, AC and FSDP see plain tensors; no
+  collective and no state inside a block) and the model's forward keeps their total until the
+  next forward;
   `model.moe.MoETerms` turns it into step terms. That total is the load-balance loss and the
   router z-loss, coefficients (`args.aux_loss_coef`, `args.router_z_loss_coef`) applied, each
   computed **per sequence**, averaged over the MoE layers and **summed over the micro-batch's
@@ -106,7 +139,8 @@ provides, and `parallel/` may assume:
   each sequence's tokens per expert over the split (`sum_over_split`) and to divide by the
   whole length, so each rank returns its part of the whole sequences' terms and the trainer
   adds the parts (x cp). Its statistics are
-  the aux value and the tokens routed to each expert (MoE layers, experts), logged per layer.
+  the aux value and the tokens routed to each expert (MoE blocks, experts), logged per MoE block
+  under its block index (`model.moe.MoETerms`).
 - `expert_modules(model)`: each MoE layer's experts module (`model.moe.GroupedExperts`), inside
   its block: stacked weights with the expert as dim 0, computed with their local tensors
   (`model.moe.local`), and `forward(rows sorted by expert, counts per expert)`. Without
@@ -131,6 +165,7 @@ import torch
 from torch import nn
 
 from configs import ConfigError, field_docs
+from model.blocks import BlockShape
 
 AttentionImpl = Literal["sdpa", "chunked"]
 
@@ -161,7 +196,8 @@ class ModelConfig:
     `extra`. `ModelConfig(name="qwen3", head_dim=64)` takes them as keywords as well."""
 
     name: str = "llama3"
-    """Model family: a key of model.FAMILIES ('llama3', 'qwen3', 'qwen3_moe')."""
+    """Model family: a key of model.FAMILIES (the registered ones are listed below, each with
+    its own keys)."""
     flavor: str = "debug"
     """Named shape of the family (e.g. llama3: debug, 1B, 3B, 8B, 70B, 405B)."""
     dim: int | None = None
@@ -418,6 +454,24 @@ def output_layer(family: ModelFamily, model: nn.Module) -> nn.Module | None:
     family that does not hand it out."""
     get = getattr(family, "output_layer", None)
     return None if get is None else get(model)
+
+
+def block_shapes(family: ModelFamily, args: Any) -> list[BlockShape] | None:
+    """The family's description of each block of a model with `args` (model/blocks.py), or
+    None for a family that gives none."""
+    describe = getattr(family, "block_shapes", None)
+    return None if describe is None else describe(args)
+
+
+def persistent_buffers(model: nn.Module) -> list[str]:
+    """Canonical names of the model's persistent buffers: state that checkpoints hold besides
+    the parameters (see the module docstring, "Buffers")."""
+    return [
+        canonical_name(f"{prefix}.{name}" if prefix else name)
+        for prefix, module in model.named_modules()
+        for name, buffer in module.named_buffers(recurse=False)
+        if buffer is not None and name not in module._non_persistent_buffers_set
+    ]
 
 
 class MoEFamily(ModelFamily, Protocol):

@@ -21,6 +21,7 @@ from torch import nn
 from configs import ConfigError
 from model import AttentionImpl, ModelConfig, TPStyle, canonical_name, random_init, resolve_args
 from model.attention import Mask, attention, document_mask
+from model.blocks import AttentionShape, BlockShape, FFNShape
 from model.random_init import Draw
 
 
@@ -359,6 +360,12 @@ def fsdp_units(model: Transformer) -> list[nn.Module]:
 def output_layer(model: Transformer) -> nn.Module:
     """The output projection that `forward(..., hidden_only=True)` leaves out."""
     return model.output
+
+
+def block_shapes(args: LlamaArgs) -> list[BlockShape]:
+    """Every block alike: attention and a SwiGLU FFN (the planner's view, model/blocks.py)."""
+    attention = AttentionShape(args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim)
+    return [BlockShape(attention, FFNShape(args.ffn_hidden_dim))] * args.n_layers
 
 
 # Tensor parallel (model.TPStyle, applied by parallel/tp.py): heads and FFN features split

@@ -246,10 +246,11 @@ class MoETerms:
     whose model keeps its last forward's aux loss in `last_aux_loss` (summed over the
     micro-batch's sequences) and the tokens routed to each expert in `last_expert_load`
     (MoE layers, experts): the extra loss is the aux loss over the step's sequences; the
-    statistics are that value and the load, logged as `loss/aux` and per-layer load."""
+    statistics are that value and the load, logged as `loss/aux` and the load per MoE layer,
+    named by its block's index: `blocks` lists them (None: every block is an MoE layer)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, blocks: list[int] | None = None) -> None:
+        self.model, self.blocks = model, blocks
         self.load: torch.Tensor | None = None  # tokens per expert since the last log step
         self.aux = 0.0
 
@@ -263,23 +264,26 @@ class MoETerms:
         self.load = load if self.load is None else self.load + load
         if not log:
             return {}
-        scalars = {"loss/aux": self.aux} | expert_load_scalars(self.load)
+        scalars = {"loss/aux": self.aux} | expert_load_scalars(self.load, self.blocks)
         self.load = None
         return scalars
 
 
-def expert_load_scalars(tokens_per_expert: torch.Tensor) -> dict[str, float]:
+def expert_load_scalars(
+    tokens_per_expert: torch.Tensor, blocks: list[int] | None = None
+) -> dict[str, float]:
     """TensorBoard scalars of a mixture of experts' load, from the tokens routed to each expert
     (MoE layers, experts), summed over ranks: per layer, the busiest expert's tokens over the
     mean (1 = balanced; n_experts / top_k = every token on the same top_k experts) and the
-    busiest expert's share of the layer's routed tokens; and the worst layer's ratio, for the
-    log line."""
+    busiest expert's share of the layer's routed tokens, named by the layer's block index
+    (`blocks`; None: 0, 1, ...); and the worst layer's ratio, for the log line."""
     busiest = tokens_per_expert.max(dim=1).values
     total = tokens_per_expert.sum(dim=1).clamp(min=1)
     over_mean = busiest / (total / tokens_per_expert.shape[1])
     share = busiest / total
     scalars = {"expert_load/max_over_mean": over_mean.max().item()}
-    for layer, (ratio, part) in enumerate(zip(over_mean.tolist(), share.tolist(), strict=True)):
+    layers = range(len(over_mean)) if blocks is None else blocks
+    for layer, ratio, part in zip(layers, over_mean.tolist(), share.tolist(), strict=True):
         scalars[f"expert_load/max_over_mean_layer{layer:02d}"] = ratio
         scalars[f"expert_load/busiest_share_layer{layer:02d}"] = part
     return scalars

@@ -29,6 +29,7 @@ from torch import nn
 from configs import ConfigError
 from model import AttentionImpl, ModelConfig, TPStyle, canonical_name, random_init, resolve_args
 from model.attention import Mask, attention, document_mask
+from model.blocks import AttentionShape, BlockShape, FFNShape
 from model.random_init import Draw
 
 
@@ -343,6 +344,12 @@ def fsdp_units(model: Qwen3) -> list[nn.Module]:
 def output_layer(model: Qwen3) -> nn.Module:
     """The output projection that `forward(..., hidden_only=True)` leaves out."""
     return model.output
+
+
+def block_shapes(args: QwenArgs) -> list[BlockShape]:
+    """Every block alike: attention and a SwiGLU FFN of ffn_dim (model/blocks.py)."""
+    attention = AttentionShape(args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim)
+    return [BlockShape(attention, FFNShape(args.ffn_dim))] * args.n_layers
 
 
 def fp8_linears(model: Qwen3) -> list[str]:

@@ -33,6 +33,7 @@ from model import (
     resolve_args,
 )
 from model.attention import Mask, document_mask
+from model.blocks import AttentionShape, BlockShape, ExpertsShape, FFNShape
 from model.moe import GroupedExperts, MoE, MoETerms
 from model.qwen3 import Attention, RMSNorm, rope_frequencies
 from model.random_init import Draw
@@ -281,6 +282,14 @@ def fsdp_units(model: Qwen3MoE) -> list[nn.Module]:
 def output_layer(model: Qwen3MoE) -> nn.Module:
     """The output projection that `forward(..., hidden_only=True)` leaves out."""
     return model.output
+
+
+def block_shapes(args: Qwen3MoEArgs) -> list[BlockShape]:
+    """Every block alike: attention and n_experts SwiGLU experts, top_k per token, no shared
+    expert (model/blocks.py)."""
+    attention = AttentionShape(args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim)
+    experts = ExpertsShape(args.n_experts, args.top_k, FFNShape(args.moe_ffn_dim))
+    return [BlockShape(attention, experts=experts)] * args.n_layers
 
 
 def fp8_linears(model: Qwen3MoE) -> list[str]:

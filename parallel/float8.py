@@ -46,8 +46,9 @@ class Float8Config:
     """Scaling: one scale per tensor (fastest; all-gathers sharded weights in float8) or one
     per row (more accurate for outliers; all-gathers in bf16)."""
     skip: list[str] = field(default_factory=lambda: ["output"])
-    """Linear layers kept in high precision, by name (a layer matches if its name or any
-    dotted suffix equals an entry). The output projection is sensitive to FP8 error."""
+    """Linear layers kept in high precision, by name: a layer matches if its name or a module
+    it sits in (`output` for `output.proj`), or a dotted suffix of either, equals an entry.
+    The output projection is sensitive to FP8 error."""
     filter: Literal["auto", "none"] = "auto"
     """'auto': convert only Linear layers whose GEMMs are large enough for FP8 to be faster
     (torchao's thresholds on in_features K and out_features N, from H100 benchmarks);
@@ -101,8 +102,11 @@ def _quiet_torchao_import() -> Iterator[None]:
 
 
 def _skipped(fqn: str, skip: list[str]) -> bool:
+    # Every run of whole name segments: the layer's name, its modules', their dotted suffixes
+    # (an output module that holds its projection and an op after it: model/__init__.py).
     parts = fqn.split(".")
-    return any(".".join(parts[i:]) in skip for i in range(len(parts)))
+    runs = (".".join(parts[i:j]) for j in range(1, len(parts) + 1) for i in range(j))
+    return any(run in skip for run in runs)
 
 
 def unmatched_skips(model: nn.Module, skip: list[str]) -> list[str]:

@@ -2,6 +2,14 @@
 any (dp_replicate, dp_shard, cp, tp) mesh, read from the model built on meta. `python -m
 launch.plan` (before renting the cluster) and `train.py --dry-run` print them.
 
+Parameters, gradients, optimizer state and FSDP's and tensor parallel's traffic follow from the
+model's own parameters (parallel/shape.py); activations, FLOPs and the traffic of context and
+expert parallel from what each block computes, as its family describes it (`block_shapes`,
+model/blocks.py), so any mix of blocks is planned: a dense first block and MoE blocks after it,
+FFNs of other widths or matrix counts, shared experts. Where a family gives no description
+(or one its blocks contradict), those terms are nan ("n/a" in the tables), and the rest is
+planned all the same (`ModelShape.missing` says why, in one line).
+
 Counting follows this trainer exactly (tests/test_plan.py checks it against the collectives of a
 real run within 1%):
 - Parameters are sharded per FSDP unit (each block, then the root: embeddings, final norm,
@@ -39,11 +47,12 @@ real run within 1%):
 - Mixture of experts (a family with `expert_modules`, model/__init__.py; `Unit.expert` marks
   the stacked expert weights): without expert parallel they are block parameters like the
   others, sharded over dp_shard along dim 0 (the experts) and all-gathered whole with their
-  block. Activations count the routed copies: top_k per token. Expert parallel (ep > 1,
-  parallel/ep.py) splits them over ep by expert, then FSDP-shards each rank's experts over
-  expert_shard = dp_shard / ep in a unit of their own: gathered and reduce-scattered there
-  (n_experts / ep experts when gathered), all-reduced over dp_replicate with the rest, and
-  four all-to-alls of the routed rows per MoE layer and micro-batch (`_ep_communication`).
+  block. Activations count the routed copies: top_k per token, in the MoE blocks. Expert
+  parallel (ep > 1, parallel/ep.py) splits them over ep by expert, then FSDP-shards each
+  rank's experts over expert_shard = dp_shard / ep in a unit of their own: gathered and
+  reduce-scattered there (n_experts / ep experts when gathered), all-reduced over
+  dp_replicate with the rest, and four all-to-alls of the routed rows per MoE block and
+  micro-batch (`_ep_communication`).
 - Context parallel (cp > 1, parallel/cp.py): each rank holds micro-batch x seq_len / cp
   tokens, so activations and logits divide by cp, except the whole sequence's keys and values
   that attention gathers and keeps for backward (2·cp·kv_dim per local token and block in
@@ -68,231 +77,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from torch import nn
-
-from configs import ConfigError
-from model import ModelFamily, moe_family
-from parallel.float8 import Float8Config
+from model.blocks import BlockShape
 from parallel.fsdp import Reshard, reshard_plan
-from parallel.lora import LoRAConfig
-from parallel.muon import muon_parameters
+from parallel.shape import ModelShape, Unit, model_shape
+
+__all__ = ["ModelShape", "Unit", "model_shape", "plan_communication", "plan_memory"]
 
 BYTES = {"bfloat16": 2, "float32": 4}
 AcMode = Literal["none", "full", "selective", "op"]
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One FSDP unit: its parameter shapes and which of them are all-gathered in float8."""
-
-    shapes: tuple[tuple[int, ...], ...]
-    float8_gathered: tuple[bool, ...]
-    tp_split: tuple[bool, ...] = ()
-    """Which parameters tensor parallel splits (the family's TP_PLAN); empty: none."""
-    trainable: tuple[bool, ...] = ()
-    """Which parameters train (train.freeze, LoRA); empty: all of them."""
-    backward: bool = True
-    """Whether backward runs through this unit (not: frozen, and nothing before it trains)."""
-    expert: tuple[bool, ...] = ()
-    """Which parameters are stacked expert weights (dim 0 = expert); empty: none."""
-    muon: tuple[bool, ...] = ()
-    """Which parameters Muon trains under optim.name="muon" (parallel/muon.py); empty: none."""
-
-    def numel(self, trainable_only: bool = False) -> int:
-        return sum(math.prod(s) for s, t in zip(self.shapes, self._trains(), strict=True)
-                   if t or not trainable_only)  # fmt: skip
-
-    def expert_numel(self) -> int:
-        experts = self.expert or (False,) * len(self.shapes)
-        return sum(math.prod(s) for s, e in zip(self.shapes, experts, strict=True) if e)
-
-    def _trains(self) -> tuple[bool, ...]:
-        return self.trainable or (True,) * len(self.shapes)
-
-    def shard_numel(
-        self,
-        shard: int,
-        fp8_only: bool | None = None,
-        tp: int = 1,
-        trainable_only: bool = False,
-        ep: int = 1,
-        experts: bool | None = None,
-        muon: bool | None = None,
-    ) -> int:
-        """Elements of this rank's (padded) shard: FSDP2 pads dim 0 to a multiple of shard;
-        a weight tensor parallel splits holds 1/tp of them (tp divides those dims).
-        `trainable_only`: of the parameters that train (gradients, optimizer state). Expert
-        weights under expert parallel: split over ep by expert first, then FSDP pads each
-        rank's experts to a multiple of shard / ep (expert_shard). `experts`: True for the
-        expert weights only, False for the others only; `muon` likewise for Muon's."""
-        split = self.tp_split or (False,) * len(self.shapes)
-        expert = self.expert or (False,) * len(self.shapes)
-        muons = self.muon or (False,) * len(self.shapes)
-        params = zip(self.shapes, self.float8_gathered, split, self._trains(), expert, muons,
-                     strict=True)  # fmt: skip
-        total = 0
-        for s, f, t, trains, e, m in params:
-            if (fp8_only is not None and f != fp8_only) or (trainable_only and not trains):
-                continue
-            if (experts is not None and e != experts) or (muon is not None and m != muon):
-                continue
-            rows = math.ceil(s[0] // ep / (shard // ep)) if e else math.ceil(s[0] / shard)
-            total += rows * math.prod(s[1:]) // (tp if t else 1)
-        return total
-
-    def tp_numel(self, tp: int, ep: int = 1) -> int:
-        """Elements of the unit on one tensor-parallel rank, gathered (before FSDP); its
-        expert weights hold the rank's n_experts / ep experts."""
-        return self.shard_numel(1, tp=tp, experts=False) + self.shard_numel(ep, ep=ep, experts=True)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the planner needs of a model, read from the model itself built on meta."""
-
-    units: list[Unit]
-    """The blocks' FSDP units in order, then the root's."""
-    dim: int
-    kv_dim: int
-    ffn_hidden: int
-    n_layers: int
-    vocab_size: int
-    top_k: int = 0
-    """Mixture of experts: experts per token (0: a dense model)."""
-    n_experts: int = 0
-
-    def numel(self, trainable_only: bool = False) -> int:
-        return sum(u.numel(trainable_only) for u in self.units)
-
-    def n_backward_blocks(self) -> int:
-        """Blocks that backward runs through (all of them unless the first ones are frozen)."""
-        return sum(u.backward for u in self.units[:-1])
-
-    def active_numel(self) -> int:
-        """Parameters one token uses: top_k / n_experts of each expert weight, all the rest."""
-        experts = sum(u.expert_numel() for u in self.units)
-        return self.numel() - experts + (experts * self.top_k // self.n_experts if experts else 0)
-
-
-def model_shape(
-    family: ModelFamily,
-    args: object,
-    fp8: Float8Config | None = None,
-    lora: LoRAConfig | None = None,
-    freeze: list[str] | tuple[str, ...] = (),
-) -> ModelShape:
-    """Build the model on meta (no memory) and read its FSDP units' parameter shapes. With fp8
-    on and tensorwise, the weights of the Linear layers the FP8 policy converts are all-gathered
-    in float8 (rowwise gathers in the compute dtype). `lora` (when enabled) and `freeze`: what
-    trains, as train.py sets it (LoRA's adapters are parameters of their blocks' units)."""
-    from launch.job import JobConfig, TrainConfig  # the job tree imports this module's peers
-    from parallel.build import build_model
-
-    job = JobConfig(train=TrainConfig(freeze=list(freeze)))
-    job.fp8, job.lora = fp8 or job.fp8, lora or job.lora
-    built = build_model(family, args, job)  # on meta, as train.py builds it, without a mesh
-    model = built.model
-    float8 = set()
-    if job.fp8.enabled and job.fp8.recipe == "tensorwise":
-        modules = dict(model.named_modules())
-        float8 = {id(modules[d.fqn].weight) for d in built.float8 if d.converted}
-    # The TP plan names the base layers; their own weights (not LoRA's adapters) are split.
-    split = _tp_split_params(model, getattr(family, "TP_PLAN", None))
-    units = family.fsdp_units(model)
-    in_unit = {id(p) for u in units for p in u.parameters()}
-    # Backward reaches a block once anything before it trains: the embedding or a block.
-    reached = any(
-        p.requires_grad for m in model.modules() if isinstance(m, nn.Embedding)
-        for p in m.parameters()
-    )  # fmt: skip
-
-    moe = moe_family(family)
-    experts = set()
-    if moe is not None:
-        experts = {id(p) for m in moe.expert_modules(model) for p in m.parameters()}
-    names = set(muon_parameters(model, units))
-    muon = {id(p) for n, p in model.named_parameters() if n in names}
-
-    def unit(params: list[nn.Parameter], backward: bool = True) -> Unit:
-        shapes = tuple(tuple(p.shape) for p in params)
-        return Unit(shapes, tuple(id(p) in float8 for p in params),
-                    tuple(id(p) in split for p in params),
-                    tuple(p.requires_grad for p in params), backward,
-                    tuple(id(p) in experts for p in params),
-                    tuple(id(p) in muon for p in params))  # fmt: skip
-
-    blocks = []
-    for u in units:
-        reached = reached or any(p.requires_grad for p in u.parameters())
-        blocks.append(unit(list(u.parameters()), reached))
-    root = [p for p in model.parameters() if id(p) not in in_unit]
-    ffn_hidden = block_ffn_hidden(units, args, moe is not None)
-    top_k, n_experts = (args.top_k, args.n_experts) if moe is not None else (0, 0)
-    return ModelShape(
-        [*blocks, unit(root)],
-        dim=args.dim,
-        kv_dim=args.n_kv_heads * args.head_dim,
-        ffn_hidden=ffn_hidden,
-        n_layers=len(units),
-        vocab_size=args.vocab_size,
-        top_k=top_k,
-        n_experts=n_experts,
-    )
-
-
-def block_ffn_hidden(units: list[nn.Module], args: Any, moe: bool) -> int:
-    """The FFN hidden size every block shares (an expert's, for a mixture of experts), after
-    checking that each block is the one kind the formulas here count: attention (q, k, v, o
-    projections) and a SwiGLU FFN (3 matrices) or an MoE layer (a router and n_experts SwiGLU
-    experts), plus norm gains. A block with anything else (shared experts, dense layers among
-    MoE ones, another attention, biases, FFNs of different widths) is refused by name rather
-    than miscounted: its matrices are compared with what the formulas assume."""
-    d, heads = args.dim, args.n_heads * args.head_dim
-    attention = 2 * d * heads + 2 * d * args.n_kv_heads * args.head_dim
-    widths = set()
-    for i, block in enumerate(units):
-        # LoRA's adapters are counted from the parameters themselves (Unit); not a shape here.
-        linears = [(n, m) for n, m in block.named_modules() if isinstance(m, nn.Linear)]
-        base = [m for n, m in linears if ".lora_" not in f".{n}"]
-        adapters = {id(p) for n, m in linears if ".lora_" in f".{n}" for p in m.parameters()}
-        matrices = sum(
-            p.numel() for p in block.parameters() if p.ndim >= 2 and id(p) not in adapters
-        )
-        if moe:
-            hidden = args.moe_ffn_dim
-            ffn = d * args.n_experts + 3 * args.n_experts * d * hidden
-            kind = f"attention and {args.n_experts} experts of hidden {hidden} with their router"
-        else:
-            hidden = max(m.out_features for m in base)  # SwiGLU's up projections are the widest
-            ffn = 3 * d * hidden
-            kind = f"attention and a SwiGLU FFN of hidden {hidden}"
-        if matrices != attention + ffn:
-            raise ConfigError(
-                f"planner: block {i} has {matrices:,} weights in matrices, not the "
-                f"{attention + ffn:,} of {kind}: parallel/plan.py counts only such blocks, so "
-                "its memory and traffic figures would be wrong for this model"
-            )
-        widths.add(hidden)
-    if len(widths) > 1:
-        raise ConfigError(
-            f"planner: the blocks' FFN hidden sizes differ ({sorted(widths)}); parallel/plan.py "
-            "counts blocks of one width"
-        )
-    return widths.pop()
-
-
-def _tp_split_params(model: nn.Module, tp_plan: dict[str, str] | None) -> set[int]:
-    """ids of the parameters that the TP plan splits (not the replicated norm gains)."""
-    from parallel.tp import SPLIT_STYLES, _matches
-
-    split: set[int] = set()
-    for name, module in model.named_modules():
-        for pattern, kind in (tp_plan or {}).items():
-            if kind in SPLIT_STYLES and _matches(name, pattern):
-                split |= {id(p) for p in module.parameters(recurse=False)}
-    return split
 
 
 def plan_communication(
@@ -394,6 +188,16 @@ def muon_buckets(shape: ModelShape) -> dict[tuple[int, ...], list[int]]:
     return buckets
 
 
+def _checkpointed(shape: ModelShape, ac_mode: AcMode, ac_every: int) -> list[bool]:
+    """Per block: whether AC recomputes it in backward ('full' every block, 'selective' blocks
+    0, every, 2 x every, ...: parallel/ac.py; 'op' keeps the matmul outputs, recomputes the
+    rest)."""
+    n = shape.n_layers
+    if ac_mode in ("full", "op"):
+        return [True] * n
+    return [ac_mode == "selective" and i % ac_every == 0 for i in range(n)]
+
+
 def _cp_communication(
     shape: ModelShape,
     cp: int,
@@ -405,20 +209,25 @@ def _cp_communication(
     tp: int = 1,
 ) -> dict[str, float]:
     """Bytes context parallel's K/V collectives send per rank and step (parallel/cp.py), for
-    `tokens` per rank and micro-batch. Every layer all-gathers its keys and values (each
-    (batch, kv_heads, seq/cp, head_dim) per rank) in forward: (cp-1) x that each; a layer
+    `tokens` per rank and micro-batch. Every block all-gathers its keys and values (each
+    (batch, kv_heads, seq/cp, head_dim) per rank) in forward: (cp-1) x that each; a block
     backward runs through reduce-scatters their gradients (cp x that in, (cp-1)/cp of it out:
-    the same bytes); a checkpointed block's recompute runs the gathers again. At tp > 1 a
-    rank holds kv_heads / tp of them (tensor parallel splits the heads)."""
-    n, n_backward = shape.n_layers, shape.n_backward_blocks()
-    recomputed = {"full": n_backward, "op": n_backward}.get(ac_mode, 0)
-    if ac_mode == "selective":  # blocks 0, every, 2 x every, ... that backward runs through
-        recomputed = sum(u.backward for u in shape.units[:-1][::ac_every])
-    kv = (cp - 1) * tokens * shape.kv_dim // tp * BYTES[param_dtype]
-    return {
-        "all_gather": micro_batches * 2 * (n + recomputed) * kv,
-        "reduce_scatter": micro_batches * 2 * n_backward * kv,
-    }
+    the same bytes); a checkpointed block's recompute (op-level AC too) runs the gathers again.
+    At tp > 1 a rank holds kv_heads / tp of them (tensor parallel splits the heads)."""
+    if shape.blocks is None:  # kv_dim per block unknown
+        return {"all_gather": math.nan, "reduce_scatter": math.nan}
+    kv = [b.attention.kv_dim for b in shape.blocks]
+    backward = [u.backward for u in shape.units[:-1]]
+    recomputed = [c and w for c, w in zip(_checkpointed(shape, ac_mode, ac_every), backward,
+                                          strict=True)]  # fmt: skip
+    gathered = sum(kv) + sum(d for d, r in zip(kv, recomputed, strict=True) if r)
+    reduced = sum(d for d, w in zip(kv, backward, strict=True) if w)
+    per_kv = (cp - 1) * tokens  # elements per unit of kv_dim, per rank
+
+    def sent(kv_sum: int) -> float:
+        return micro_batches * 2 * (per_kv * kv_sum // tp * BYTES[param_dtype])
+
+    return {"all_gather": sent(gathered), "reduce_scatter": sent(reduced)}
 
 
 def _ep_communication(
@@ -431,20 +240,26 @@ def _ep_communication(
     micro_batches: int,
 ) -> dict[str, float]:
     """Bytes expert parallel's all-to-alls send per rank and step (parallel/ep.py). Per MoE
-    layer and micro-batch: the tokens x top_k routed rows of dim elements go out (dispatch)
+    block and micro-batch: the tokens x top_k routed rows of dim elements go out (dispatch)
     and come back (combine), and their gradients the same ways in backward; a checkpointed
     block's recompute (full or selective AC) dispatches and combines again. Each forward also
     exchanges the int64 row counts per expert. A rank keeps the rows for its own experts:
     (ep - 1) / ep of each buffer leaves it when the routing is balanced, which is also the
     mean over the ranks in any case (every row sent is a row received); one rank's own share
     follows its routing."""
-    n = sum(any(u.expert) for u in shape.units)  # MoE layers
-    recomputed = {"full": n, "selective": math.ceil(n / ac_every)}.get(ac_mode, 0)
-    rows = tokens * shape.top_k * shape.dim * BYTES[param_dtype]
-    counts = shape.n_experts * 8
-    leaving = (ep - 1) / ep
-    per_step = (4 * n + 2 * recomputed) * rows + (n + recomputed) * counts
-    return {"all_to_all": micro_batches * leaving * per_step}
+    if shape.blocks is None:  # top_k unknown
+        return {"all_to_all": math.nan}
+    recomputes = _checkpointed(shape, ac_mode, ac_every) if ac_mode != "op" else []
+    per_step = 0.0
+    for i, block in enumerate(shape.blocks):
+        if (experts := block.experts) is None:
+            continue
+        rows = tokens * experts.top_k * shape.dim * BYTES[param_dtype]
+        counts = experts.n_experts * 8
+        per_step += 4 * rows + counts
+        if i < len(recomputes) and recomputes[i]:
+            per_step += 2 * rows + counts
+    return {"all_to_all": micro_batches * (ep - 1) / ep * per_step}
 
 
 def _tp_communication(
@@ -485,40 +300,67 @@ def activation_bytes(
     cp: int = 1,
 ) -> float:
     """Activations kept for backward per rank, from what this model's ops save; with
-    `recompute`, plus the block being recomputed in backward (the peak under AC).
+    `recompute`, plus the largest block being recomputed in backward (the peak under AC); nan
+    when the blocks are not described (`ModelShape.missing`).
 
-    Per token and block, no AC keeps ~10·dim + 4·kv_dim + 4·ffn_hidden elements (norm inputs
-    and outputs, q/k/v, attention output, SwiGLU's three hidden tensors); a checkpointed block
-    keeps its input (dim), plus one block's worth alive while it is recomputed; op-level AC keeps
-    the matmul and attention outputs (~5·dim + 2·kv_dim + 2·ffn_hidden) and the block input.
-    SDPA never materializes the attention matrix. Tensor parallel divides all of it by tp but
-    the two block inputs gathered whole for the split Linears (2·dim).
-    A mixture of experts replaces the FFN's part by its routed copies, top_k per token, each
-    with its input and output (2·dim) and the expert's hidden tensors (4·ffn_hidden; op-level
-    AC: 2·ffn_hidden + dim, the grouped GEMM outputs), and the router's ~3·n_experts; every tp
-    rank runs the whole MoE layer, so that part does not divide by tp.
+    Per token and block, no AC keeps ~10·dim + 4·kv_dim elements for the norms and attention
+    (norm inputs and outputs, q/k/v, attention output) and the FFN's hidden tensors
+    (`FFNShape.kept`: 4·hidden for SwiGLU's three, 2·hidden for a GeLU MLP's); a checkpointed
+    block keeps its input (dim), plus one block's worth alive while it is recomputed; op-level
+    AC keeps the matmul and attention outputs (~5·dim + 2·kv_dim + the FFN's up projections)
+    and the block input. SDPA never materializes the attention matrix. Tensor parallel divides
+    all of it by tp but the two block inputs gathered whole for the split Linears (2·dim).
+    A mixture of experts adds its routed copies, top_k per token, each with its input and
+    output (2·dim) and the expert's hidden tensors (op-level AC: the grouped GEMM outputs and
+    dim), the router's ~3·n_experts, and a shared expert's hidden tensors; every tp rank runs
+    the whole MoE layer, so that part does not divide by tp.
     Context parallel (`tokens` are this rank's): attention keeps the keys and values of the
     whole sequence, gathered (2·cp·kv_dim per local token in place of 2·kv_dim); op-level AC
     does not keep them (a concatenation's output), it gathers them again.
     """
-    d, kv, h, k = shape.dim, shape.kv_dim, shape.ffn_hidden, shape.top_k
-    gathered = 2 * d * (1 - 1 / tp)
-    ffn, routed = (0, k * (2 * d + 4 * h) + 3 * shape.n_experts) if k else (4 * h, 0)
-    kv_kept = 2 * kv + 2 * cp * kv  # K and V projected, then attention's (whole-sequence) K, V
-    full_block = tokens * ((10 * d + kv_kept + ffn) / tp + routed + gathered) * BYTES[param_dtype]
-    block_input = tokens * d / tp * BYTES[param_dtype]
-    n = shape.n_backward_blocks()  # a block backward skips keeps nothing
-    if n == 0:
+    backward = [u.backward for u in shape.units[:-1]]  # a block backward skips keeps nothing
+    if not any(backward):
         return 0.0
+    if shape.blocks is None:
+        return math.nan
+    d, nbytes = shape.dim, BYTES[param_dtype]
+    gathered = 2 * d * (1 - 1 / tp)
+    block_input = tokens * d / tp * nbytes
+
+    def full(b: BlockShape) -> float:  # everything autograd saves
+        kv = b.attention.kv_dim
+        kv_kept = 2 * kv + 2 * cp * kv  # K and V projected, then attention's (whole-seq) K, V
+        split = 10 * d + kv_kept + (b.ffn.kept() if b.ffn else 0)
+        return tokens * (split / tp + _moe_kept(b, d, op=False) + gathered) * nbytes
+
+    def op(b: BlockShape) -> float:  # op-level AC: the matmul and attention outputs
+        split = 5 * d + 2 * b.attention.kv_dim + (b.ffn.matmul_outputs() if b.ffn else 0)
+        return tokens * (split / tp + _moe_kept(b, d, op=True) + gathered) * nbytes
+
+    blocks = [b for b, w in zip(shape.blocks, backward, strict=True) if w]
+    peak = max(full(b) for b in blocks) if recompute and ac_mode != "none" else 0
     if ac_mode == "none":
-        return n * full_block
-    recomputed = full_block if recompute else 0
+        return sum(full(b) for b in blocks)
     if ac_mode == "op":
-        ffn, routed = (0, k * (2 * h + d) + shape.n_experts) if k else (2 * h, 0)
-        kept = (5 * d + 2 * kv + ffn) / tp + routed + gathered
-        return n * tokens * kept * BYTES[param_dtype] + recomputed
-    checkpointed = n if ac_mode == "full" else math.ceil(n / ac_every)
-    return checkpointed * block_input + (n - checkpointed) * full_block + recomputed
+        return sum(op(b) for b in blocks) + peak
+    checkpointed = [c for c, w in zip(_checkpointed(shape, ac_mode, ac_every), backward,
+                                      strict=True) if w]  # fmt: skip
+    kept = [block_input if c else full(b) for b, c in zip(blocks, checkpointed, strict=True)]
+    return sum(kept) + peak
+
+
+def _moe_kept(block: BlockShape, dim: int, op: bool) -> float:
+    """Elements per token a block's mixture of experts keeps, whole on every tp rank: the
+    top_k routed copies (input and output, or with `op` the GEMM outputs and the input), the
+    router's probabilities and choices, a shared expert's hidden tensors."""
+    if (experts := block.experts) is None:
+        return 0
+    e = experts.expert
+    if op:
+        routed = experts.top_k * (e.matmul_outputs() + dim) + experts.n_experts
+        return routed + (experts.shared.matmul_outputs() if experts.shared else 0)
+    routed = experts.top_k * (2 * dim + e.kept()) + 3 * experts.n_experts
+    return routed + (experts.shared.kept() if experts.shared else 0)
 
 
 def plan_memory(
@@ -561,14 +403,16 @@ def plan_memory(
     n_tensors = sum(sum(u._trains()) for u in units)
     pbytes = BYTES[param_dtype]
     tokens = micro_batch * seq_len // cp
-    root, block = units[-1].tp_numel(tp), units[0].tp_numel(tp, ep)
+    root = units[-1].tp_numel(tp)
     # The root stays gathered all step; one block computes while the next is prefetched
-    # (a block not resharded after forward stays gathered until its backward).
+    # (a block not resharded after forward stays gathered until its backward): at the peak,
+    # that many of the largest blocks (blocks may differ: a dense one and MoE ones).
     n_blocks = len(units) - 1
     resharded = reshard_plan(n_blocks, reshard_after_forward, dp_shard, cpu_offload, pipelined)
     kept = n_blocks - sum(resharded[:-1])
-    gathered_blocks = max(kept, min(2, n_blocks))
-    gathered = (root + gathered_blocks * block) * pbytes
+    largest = sorted((u.tp_numel(tp, ep) for u in units[:-1]), reverse=True)
+    gathered_blocks = sum(largest[: max(kept, min(2, n_blocks))])
+    gathered = (root + gathered_blocks) * pbytes
     if graph_bucket_bytes is not None:
         whole = sum(u.tp_numel(tp, ep) for u in units) * pbytes
         never = reshard_after_forward == "never"

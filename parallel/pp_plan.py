@@ -85,16 +85,19 @@ def check_pipeline(
 
 def block_costs(shape: ModelShape, seq_len: int) -> tuple[list[float], float]:
     """Training FLOPs per token of each block, and of the output projection and loss (on the
-    last stage), read from the planner's model shape: 6 per active weight, plus attention's
-    12 x dim x seq_len. The one place the split reads the planner (`balanced_split`)."""
-    units = shape.units[:-1]
-    experts = [u.expert_numel() for u in units]
-    ratio = shape.top_k / shape.n_experts if shape.n_experts else 0.0
-    blocks = [
-        6 * (u.numel() - e + e * ratio) + 12 * shape.dim * seq_len
-        for u, e in zip(units, experts, strict=True)
-    ]
-    return blocks, 6.0 * shape.vocab_size * shape.dim
+    last stage), read from the planner's model shape: 6 per active weight (top_k of n_experts
+    of a described MoE block's experts), plus attention's 12 x its width x seq_len. A family
+    that does not describe its blocks (model/blocks.py) gets every weight and the model's dim.
+    The one place the split reads the planner (`balanced_split`)."""
+    blocks = shape.blocks or (None,) * shape.n_layers
+    costs = []
+    for unit, block in zip(shape.units[:-1], blocks, strict=True):
+        active, experts = float(unit.numel()), unit.expert_numel()
+        if experts and block is not None and block.experts is not None:
+            active -= experts * (1 - block.experts.top_k / block.experts.n_experts)
+        width = block.attention.q_dim if block is not None else shape.dim
+        costs.append(6 * active + 12 * width * seq_len)
+    return costs, 6.0 * shape.vocab_size * shape.dim
 
 
 def balanced_split(costs: list[float], last_extra: float, stages: int) -> list[int]:
@@ -226,7 +229,9 @@ def rank_shape(shape: ModelShape, blocks: list[int], first: bool, last: bool) ->
     root = shape.units[-1]
     keep = [i for i in range(len(root.shapes)) if (first and i == 0) or (last and i > 0)]
     units = [shape.units[b] for b in blocks] + [pick(root, keep)]
-    return replace(shape, units=units, n_layers=len(blocks))
+    described = tuple(shape.blocks[b] for b in blocks) if shape.blocks is not None else None
+    return replace(shape, units=units, blocks=described,
+                   embedding_numel=shape.embedding_numel if first else 0)  # fmt: skip
 
 
 def plan_pipeline(

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,16 @@ SLOWEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     first = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: files keep order
+
+
+@pytest.fixture
+def zoo_family() -> Iterator[str]:
+    """tests/zoo.py registered in model.FAMILIES for the test: a family with every shape the
+    contract allows (the contract's tests run on it too). Its name."""
+    from tests import zoo
+
+    with zoo.registered():
+        yield zoo.NAME
 
 
 def write_corpus(root: Path, n_docs: int = 40, words_per_doc: int = 400, seed: int = 0) -> Path:
@@ -71,9 +81,12 @@ def saved_runs(
     FSDP, 8 fp32 steps, checkpoints at steps 4 and 8, both kept), trained once per session.
     tests/test_families.py resumes it for every family; tests/test_checkpoint.py damages,
     reshapes and resumes llama3's."""
+    from functools import partial
+
     from tests.distributed import run_distributed
     from tests.test_families import run_argv
     from tests.test_train import train_losses
+    from tests.zoo import call_registered
 
     runs: dict[str, tuple[list[float], Path]] = {}
 
@@ -82,7 +95,8 @@ def saved_runs(
             out = tmp_path_factory.mktemp(f"{family}_saved")
             argv = run_argv(tiny_dataset, out, family, "sync", "--train.steps=8",
                             "--checkpoint.interval=4", "--checkpoint.keep_last=0")  # fmt: skip
-            runs[family] = run_distributed(train_losses, 2, argv)[0], out
+            # The ranks register the test family too (tests/zoo.py), if that is the one.
+            runs[family] = run_distributed(partial(call_registered, train_losses), 2, argv)[0], out
         return runs[family]
 
     return saved

@@ -1,6 +1,9 @@
-"""The family contract, tested once for every family in `model.FAMILIES`.
+"""The family contract, tested once for every family in `model.FAMILIES` and the test family.
 
-For each family: initial weights identical on any mesh; document masking on 1 process and on
+The test family (tests/zoo.py, registered here by a fixture, and in the spawned ranks by
+`zoo.call_registered`) has every shape the contract allows: a dense first block then MoE blocks
+with a shared expert, a GeLU MLP, a routing-bias buffer that `after_step` moves, soft-capped
+logits. For each family: initial weights identical on any mesh; document masking on 1 process and on
 sharded meshes; logits equal to `transformers` both ways (a family with a Hugging Face mapping);
 golden losses; fp32 parity of 1 process, FSDP and HSDP, and of tensor parallel (a family with a
 TP_PLAN) and expert parallel (an MoE family); a bitwise resume, and init_from_hf of its export.
@@ -18,6 +21,7 @@ import json
 import math
 import os
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +30,9 @@ import torch
 
 from data.documents import MicroBatch, micro_batch
 from data.loader import DataConfig, build_dataloader
-from model import FAMILIES, ModelConfig, get_hf_mapping, moe_family
+from model import FAMILIES, ModelConfig, block_shapes, get_hf_mapping, moe_family, output_layer
 from tests import test_documents as docs
+from tests import zoo
 from tests.distributed import run_distributed
 from tests.test_train import FP32, TINY, assert_close, train_losses
 
@@ -36,10 +41,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 DEFAULT = ModelConfig().name  # its trainer tests run in the quick tier, the others' in full
-NAMES = list(FAMILIES)
-TP_FAMILIES = [f for f in FAMILIES if getattr(FAMILIES[f], "TP_PLAN", None) is not None]
-MOE_FAMILIES = [f for f in FAMILIES if moe_family(FAMILIES[f]) is not None]
-HF_FAMILIES = [f for f in FAMILIES if get_hf_mapping(f) is not None]
+ALL = {**FAMILIES, zoo.NAME: zoo}
+NAMES = list(ALL)
+TP_FAMILIES = [f for f, family in ALL.items() if getattr(family, "TP_PLAN", None) is not None]
+MOE_FAMILIES = [f for f, family in ALL.items() if moe_family(family) is not None]
+HF_FAMILIES = [f for f in ALL if get_hf_mapping(f) is not None]
 
 # GQA (4 query heads share 2 kv heads) in 2 blocks; the rest (head_dim, FFN, experts) is the
 # family's debug flavor.
@@ -86,6 +92,21 @@ def unit_scale(model: torch.nn.Module, seed: int) -> None:
 
 
 @pytest.fixture(autouse=True)
+def registered(zoo_family: str) -> None:
+    """The test family in model.FAMILIES for every test here (tests/conftest.py)."""
+
+
+def in_ranks(fn: Callable) -> Callable:
+    """`fn` for run_distributed: the spawned ranks register the test family too."""
+    return partial(zoo.call_registered, fn)
+
+
+def full(value: torch.Tensor) -> torch.Tensor:
+    """A state entry whole: a DTensor's full value; a plain tensor (a buffer) is whole."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+@pytest.fixture(autouse=True)
 def one_thread() -> Any:
     """One intra-op thread, like the ranks of tests/distributed.py: on 2 shared, busy cores,
     thread-pool barriers can make init_weights 50x slower."""
@@ -105,7 +126,7 @@ def on_mesh() -> Callable[..., list[Any]]:
         key = (fn.__name__, world, args, nodes)
         if key not in done:
             try:
-                done[key] = run_distributed(fn, world, *args, nodes=nodes)
+                done[key] = run_distributed(in_ranks(fn), world, *args, nodes=nodes)
             except AssertionError as err:
                 done[key] = err
         if isinstance(done[key], AssertionError):
@@ -121,7 +142,8 @@ def on_mesh() -> Callable[..., list[Any]]:
 @pytest.mark.parametrize("family", NAMES)
 def test_init_is_a_function_of_the_seed(family: str) -> None:
     """The same seed gives the same values; another seed other values, except for constant
-    parameters (norm gains); the same parameter of two blocks differs."""
+    state (norm gains, a routing bias); the same parameter of two blocks differs (the
+    parameters both have: a block may be of another kind)."""
     a, b, other = initialized(family), initialized(family), initialized(family, seed=1)
     for (name, x), y, z in zip(
         a.state_dict().items(), b.state_dict().values(), other.state_dict().values(), strict=True
@@ -130,7 +152,9 @@ def test_init_is_a_function_of_the_seed(family: str) -> None:
         constant = bool((x == x.flatten()[0]).all())
         assert torch.equal(x, z) == constant, name
     first, second = (dict(u.named_parameters()) for u in FAMILIES[family].fsdp_units(a)[:2])
-    for name, x in first.items():
+    assert first.keys() & second.keys()
+    for name in first.keys() & second.keys():
+        x = first[name]
         assert torch.equal(x, second[name]) == bool((x == x.flatten()[0]).all()), name
 
 
@@ -208,8 +232,8 @@ def init_on_mesh(dp_replicate: int, tp: int, vocab_size: int, whole: bool) -> di
         held = sum(p.to_local().numel() for p in model.parameters())
         state = model.state_dict()
         out[name] = (
-            {k: v.full_tensor() for k, v in state.items()},
-            {k: str(tuple(v.placements)) for k, v in state.items()},
+            {k: full(v) for k, v in state.items()},
+            {k: str(tuple(v.placements)) for k, v in state.items() if hasattr(v, "placements")},
             (drawn[0], held),
         )
     torch.distributed.destroy_process_group()
@@ -242,7 +266,8 @@ def test_initial_weights_identical_on_every_mesh(
     family: str, mesh: str, on_mesh: Callable[..., list[Any]]
 ) -> None:
     """Bit-identical to the single-device init, with each rank drawing only what it holds,
-    also where FSDP shards tensor parallel's shards again (strided placements)."""
+    also where FSDP shards tensor parallel's shards again (strided placements); a persistent
+    buffer (the test family's routing bias) whole on every rank."""
     world, dp_replicate, tp, vocab_size, whole = INIT_MESHES[mesh]
     model = FAMILIES[family].build_model(tiny_args(family, vocab_size=vocab_size))
     model.init_weights(seed=7, rope_len=16)
@@ -254,13 +279,87 @@ def test_initial_weights_identical_on_every_mesh(
         assert full.keys() == reference.keys()
         for name, value in reference.items():
             assert torch.equal(full[name], value), name
-        if tp == 1:
+        if tp == 1:  # FSDP leaves buffers plain tensors: every parameter is sharded
             expected = "(Shard(dim=0),)" if dp_replicate == 1 else "(Replicate(), Shard(dim=0))"
             assert set(placements.values()) == {expected}
+            assert set(placements) == {n for n, _ in model.named_parameters(remove_duplicate=False)}
         else:  # FSDP over TP's Shard(0): a strided shard on the FSDP dim
             assert any("_StridedShard" in p for p in placements.values()), placements
         # O(shard): no rank draws another rank's values (unless asked to draw whole ones).
         assert drawn == (total if whole else held)
+
+
+# ---- the output path and buffers ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_the_logits_are_the_output_layer_of_the_hidden_states(family: str) -> None:
+    """The output path is one module (model/__init__.py): forward's logits are, bitwise, the
+    output layer applied to forward(..., hidden_only=True), which is what the chunked loss
+    computes (the test family's soft-capping included)."""
+    model = initialized(family)
+    if (layer := output_layer(FAMILIES[family], model)) is None:  # optional (no chunked loss)
+        pytest.skip(f"{family} has no output_layer(model)")
+    tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = model(tokens, hidden_only=True)
+        assert hidden.shape == (2, SEQ, model.args.dim)
+        assert torch.equal(layer(hidden), model(tokens))
+
+
+def test_persistent_buffers_are_checkpoint_state_hugging_face_files_refuse(
+    tiny_dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test family's routing bias is a persistent buffer: in the state dict (so in every
+    checkpoint), not in Hugging Face files. With a mapping, the export and the load refuse
+    the model, and checkpoint.init_from_hf is a config error at start."""
+    from checkpoint.hf import hf_tensors
+    from configs import ConfigError, parse_config
+    from launch.check import check_config
+    from launch.job import JobConfig
+    from model import HF_MAPPINGS, llama_hf, persistent_buffers
+    from parallel.dims import LaunchEnv
+
+    assert persistent_buffers(initialized("llama3")) == []
+    model = initialized(zoo.NAME)
+    assert persistent_buffers(model) == ["layers.1.moe.router.bias"]
+    with pytest.raises(ConfigError, match=r"persistent buffers \(layers.1.moe.router.bias\)"):
+        hf_tensors(model, llama_hf)
+    monkeypatch.setitem(HF_MAPPINGS, zoo.NAME, llama_hf)
+    argv = [f"--data.path={tiny_dataset}", *TINY, f"--model.name={zoo.NAME}",
+            "--train.micro_batch_size=4", f"--checkpoint.init_from_hf={tiny_dataset}"]  # fmt: skip
+    with pytest.raises(ConfigError, match="init_from_hf: model zoo keeps state in persistent"):
+        check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, 1, 1, 1))
+
+
+class DriftingZoo(zoo.Zoo):
+    """The test family with a routing bias that forward changes: what the contract forbids."""
+
+    def forward(self, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        for router in zoo.routers(self):
+            router.bias.add_(1.0)
+        return super().forward(tokens, **kwargs)
+
+
+def test_a_forward_that_changes_a_persistent_buffer_is_refused_at_start(
+    tiny_dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """check_config runs the model on meta once and finds the buffer changed: one line naming
+    it, before any process group; the test family itself passes."""
+    from configs import ConfigError, parse_config
+    from launch.check import check_config
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+
+    monkeypatch.setattr(zoo, "build_model", DriftingZoo)
+    argv = [f"--data.path={tiny_dataset}", *TINY, f"--model.name={zoo.NAME}",
+            "--train.micro_batch_size=4"]  # fmt: skip
+    drift = r"forward changes its persistent buffers \(layers.1.moe.router.bias\)"
+    with pytest.raises(ConfigError, match=drift) as err:
+        check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, 1, 1, 1))
+    assert "\n" not in str(err.value)
+    monkeypatch.undo()
+    check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, 1, 1, 1))
 
 
 # ---- document masking --------------------------------------------------------------------------
@@ -425,13 +524,18 @@ def golden_path(family: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    "family", [pytest.param(f, marks=[] if f == "llama3" else pytest.mark.slow) for f in FAMILIES]
+    "family", [pytest.param(f, marks=[] if f == "llama3" else pytest.mark.slow) for f in NAMES]
 )
 def test_golden_losses_of_the_debug_flavor(family: str, tiny_dataset: str, tmp_path: Path) -> None:
     """Each family's debug flavor's first 20 losses match its golden file (fp32, 1 process).
 
-    After an intended numerics change, regenerate with UPDATE_GOLDEN=1 and review the diff.
+    After an intended numerics change, regenerate with UPDATE_GOLDEN=1 and review the diff. A
+    family without a golden file yet (a fork's new one) is skipped, saying how to write it.
     """
+    golden = golden_path(family)
+    if not golden.exists() and not os.environ.get("UPDATE_GOLDEN"):
+        pytest.skip(f"no tests/golden/{golden.name}: UPDATE_GOLDEN=1 python -m pytest "
+                    f"tests/test_families.py -k 'golden and {family}' writes it")  # fmt: skip
     argv = [
         f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}",
         *([] if family == "llama3" else [f"--model.name={family}"]),
@@ -440,8 +544,7 @@ def test_golden_losses_of_the_debug_flavor(family: str, tiny_dataset: str, tmp_p
         "--optim.warmup_steps=5", "--optim.lr=1e-3", "--train.eval_interval=0",
         "--metrics.tensorboard=false", *FP32,
     ]  # fmt: skip
-    losses = run_distributed(train_losses, 1, argv)[0]
-    golden = golden_path(family)
+    losses = run_distributed(in_ranks(train_losses), 1, argv)[0]
     if os.environ.get("UPDATE_GOLDEN"):
         golden.write_text(json.dumps({"argv": argv[2:], "losses": losses}, indent=1) + "\n")
     expected = json.loads(golden.read_text())
@@ -458,6 +561,11 @@ RUN_SHAPE = {
     # normalization shows in the losses and grad norms.
     "qwen3_moe": ["--model.n_experts=4", "--model.top_k=2", "--model.moe_ffn_dim=32",
                   "--model.aux_loss_coef=0.1", "--model.router_z_loss_coef=0.01"],
+    # The same, a shared expert and a GeLU MLP of their own widths, and a routing bias that
+    # moves fast enough to change the routing within a few steps.
+    zoo.NAME: ["--model.n_experts=4", "--model.top_k=2", "--model.moe_ffn_dim=32",
+               "--model.shared_ffn_dim=48", "--model.ffn_dim=96", "--model.aux_loss_coef=0.1",
+               "--model.router_z_loss_coef=0.01", "--model.bias_update_rate=0.01"],
 }  # fmt: skip
 STEPS = 6
 
@@ -494,7 +602,7 @@ def train_run(
                     "--metrics.tensorboard=true", "--metrics.log_interval=1", *extra)  # fmt: skip
     if nodes > 1:
         args.append(f"--parallel.dp_replicate={nodes}")
-    losses = run_distributed(train_losses, world, args, nodes=nodes)[0]
+    losses = run_distributed(in_ranks(train_losses), world, args, nodes=nodes)[0]
     return {"losses": losses} | scalars(out / name)
 
 
@@ -594,10 +702,13 @@ def test_expert_parallel_parity_and_its_checkpoint_resumes_without_ep(
         resumed = train_run(tiny_dataset, out, family, f"resumed{world}", world,
                             f"--checkpoint.resume={step3}")  # fmt: skip
         assert_same_run(resumed, want, slice(3, None))
-    # Expert load: per layer, the busiest expert over the mean (1 = balanced, at most
-    # n_experts / top_k) and its share of the layer's routed tokens (at least 1 / n_experts).
+    # Expert load: per MoE block, by its index (the test family's first block is dense), the
+    # busiest expert over the mean (1 = balanced, at most n_experts / top_k) and its share of
+    # the block's routed tokens (at least 1 / n_experts).
     n_experts, top_k = args.n_experts, args.top_k
-    layers = range(SHAPE["n_layers"])
+    layers = [i for i, b in enumerate(block_shapes(FAMILIES[family], args)) if b.experts]
+    blocks = range(SHAPE["n_layers"])
+    assert [i for i in blocks if f"expert_load/busiest_share_layer{i:02d}" in ep] == layers
     for layer in layers:
         ratio = ep[f"expert_load/max_over_mean_layer{layer:02d}"]
         share = ep[f"expert_load/busiest_share_layer{layer:02d}"]
@@ -629,11 +740,26 @@ def test_resume_is_bitwise_exact(
     """8 steps straight = a resume from that run's step-4 checkpoint for 4 more, bitwise:
     weights, optimizer, schedule and data position carry over (FSDP on 2 ranks, fp32). The LR
     schedule spans train.steps, so the 'stop' at 4 is the checkpoint of the 8-step run."""
+    from checkpoint.state import load_no_dist
+    from configs import parse_config
+    from launch.job import JobConfig
+    from model import persistent_buffers
+
     losses, out = saved_runs(family)
     step4 = out / "sync" / "checkpoints" / "step-4"
     argv = run_argv(tiny_dataset, out, family, "family-resumed", "--train.steps=8",
                     f"--checkpoint.resume={step4}")  # fmt: skip
-    assert run_distributed(train_losses, 2, argv)[0] == losses[4:]
+    assert run_distributed(in_ranks(train_losses), 2, argv)[0] == losses[4:]
+    # A persistent buffer that after_step moves (the test family's routing bias) is in the
+    # checkpoint, moved: the resume above then depends on it.
+    with torch.device("meta"):
+        model = FAMILIES[family].build_model(
+            FAMILIES[family].build_args(parse_config(JobConfig, argv).model)
+        )
+    saved = {f"model.{name}": torch.zeros(model.get_buffer(name).shape)
+             for name in persistent_buffers(model)}  # fmt: skip
+    load_no_dist(saved, step4)
+    assert all(value.abs().sum() > 0 for value in saved.values()), saved
 
 
 @pytest.mark.parametrize("family", quick_for_default(HF_FAMILIES))

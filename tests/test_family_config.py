@@ -63,9 +63,11 @@ def test_wrong_family_keys_are_one_line_naming_the_key(argv: list[str], message:
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_help_lists_each_familys_own_keys() -> None:
+def test_help_lists_each_familys_own_keys(zoo_family: str) -> None:
+    """Every registered family, a fork's too (the test family, registered for this test)."""
     text = help_text(JobConfig)
     model = text[text.index("[model]") :]
+    assert f"{zoo_family}'s own (model.name={zoo_family}):" in model
     for name, family in FAMILIES.items():
         section = model[model.index(f"{name}'s own") :]
         for key in family_fields(family):

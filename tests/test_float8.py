@@ -20,6 +20,7 @@ from parallel.float8 import (
     describe_float8,
     float8_policy,
     precompute_float8_scales,
+    unmatched_skips,
 )
 from tests.distributed import run_distributed
 
@@ -395,3 +396,24 @@ def test_policy_converts_only_the_familys_candidates() -> None:
     w2 = decisions["layers.0.feed_forward.w2"]
     assert not w2.converted and "not an FP8 candidate" in w2.reason
     assert decisions["layers.0.feed_forward.w1"].converted
+
+
+def test_skip_names_a_module_the_layers_sit_in() -> None:
+    """An fp8.skip entry may name a module: the default 'output' keeps the projection inside
+    an output module (the test family's `output.proj`, which soft-capping follows) in high
+    precision; 'layers.0' keeps every Linear of block 0."""
+    from tests import zoo
+
+    with torch.device("meta"):
+        model = zoo.build_model(zoo.FLAVORS["16B"])
+    assert unmatched_skips(model, ["output"]) == []
+    decisions = float8_policy(model, Float8Config(enabled=True), zoo.fp8_linears(model))
+    policy = {d.fqn: d for d in decisions}
+    assert policy["output.proj"].reason == "in fp8.skip"
+    assert policy["layers.0.feed_forward.w1"].converted
+    assert policy["layers.1.attention.wq"].converted
+    block0 = float8_policy(model, Float8Config(enabled=True, skip=["layers.0"]))
+    assert {d.fqn for d in block0 if d.reason == "in fp8.skip"} == {
+        f"layers.0.{name}" for name in ("attention.wq", "attention.wk", "attention.wv",
+                                        "attention.wo", "feed_forward.w1", "feed_forward.w2")
+    }  # fmt: skip

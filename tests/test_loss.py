@@ -5,14 +5,17 @@ its config errors; the planner's count."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from configs import ConfigError
 from data.documents import MicroBatch
-from model import FAMILIES, ModelConfig, output_layer
+from model import FAMILIES, ModelConfig, llama, output_layer
 from parallel.loss import ChunkedLoss
+from tests import zoo
 from tests.test_train import FP32, assert_close, run
 from train import cross_entropy_sum, summed_loss
 
@@ -26,21 +29,28 @@ def _loss_and_grads(model: torch.nn.Module, batch: MicroBatch, loss_fn) -> tuple
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+# Every registered family and the test family (tests/zoo.py: soft-capped logits, a dense first
+# block then MoE ones), and one with tied embeddings (the output projection is the embedding).
+CHUNKED = [(name, {}) for name in [*FAMILIES, zoo.NAME]] + [("llama3", {"tie_embeddings": True})]
+
+
 @pytest.mark.parametrize(
-    ("name", "overrides"),
-    [("llama3", {}), ("llama3", {"tie_embeddings": True}), ("qwen3", {}), ("qwen3_moe", {})],
-    ids=["llama3", "llama3-tied", "qwen3", "qwen3_moe"],
+    ("name", "overrides"), CHUNKED, ids=[n + ("-tied" if o else "") for n, o in CHUNKED]
 )
-def test_chunked_loss_equals_whole_loss_and_gradients(name: str, overrides: dict) -> None:
+def test_chunked_loss_equals_whole_loss_and_gradients(
+    name: str, overrides: dict, zoo_family: str
+) -> None:
     """Chunks of 7 tokens (not dividing the batch's 2 x 24, so the last is short) across the
     batch's sequences, some targets ignored: the loss and every parameter's gradient equal the
     unchunked ones within 1e-6 (fp32), and so does the no_grad (validation) loss."""
     family = FAMILIES[name]
-    small = {"dim": 64, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512}
+    small = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512}
     args = family.build_args(ModelConfig(name=name, flavor="debug", **small, **overrides))
     torch.manual_seed(0)
     model = family.build_model(args)
     model.init_weights(seed=0, rope_len=24)
+    if output_layer(family, model) is None:  # optional: the family refuses loss_chunk_tokens
+        pytest.skip(f"{name} has no output_layer(model)")
     tokens = torch.randint(0, args.vocab_size, (2, 25))
     targets = tokens[:, 1:].clone()
     targets[0, :5] = -100  # a prompt's targets, as fine-tuning masks them
@@ -78,6 +88,51 @@ def test_chunks_recompute_the_logits_in_backward() -> None:
     assert saved == [] or max(s.numel() for s in saved) < 16 * 1000
     loss.backward()
     assert hidden.grad is not None and output.weight.grad is not None
+
+
+class CappedAfterTheOutput(llama.Transformer):
+    """Llama with soft-capping done in forward, after the output layer: what the contract
+    forbids (model/__init__.py, the output path), since the chunked loss would skip it."""
+
+    def forward(self, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        out = super().forward(tokens, **kwargs)
+        return out if kwargs.get("hidden_only") else 30 * torch.tanh(out / 30)
+
+
+def test_a_forward_that_changes_the_logits_after_the_output_layer_is_refused_with_chunking(
+    tiny_dataset: str, monkeypatch: pytest.MonkeyPatch, zoo_family: str
+) -> None:
+    """The chunked loss of such a model silently differs from its loss (the cap skipped): with
+    train.loss_chunk_tokens, check_config refuses it in one line, from the model on meta;
+    unchunked, it trains. The test family, which caps inside its output layer, passes."""
+    from configs import parse_config
+    from launch.check import check_config
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+    from tests.test_train import TINY
+
+    names = ["FLAVORS", "build_args", "fsdp_units", "output_layer", "fp8_linears",
+             "flops_per_token", "TP_PLAN", "block_shapes"]  # fmt: skip
+    capped = SimpleNamespace(build_model=CappedAfterTheOutput,
+                             **{n: getattr(llama, n) for n in names})  # fmt: skip
+    monkeypatch.setitem(FAMILIES, "capped", capped)
+    args = capped.build_args(ModelConfig("capped", dim=64, n_layers=1, n_heads=4, n_kv_heads=4))
+    model = capped.build_model(args)
+    model.init_weights(seed=0, rope_len=24)
+    tokens = torch.randint(0, args.vocab_size, (2, 24))
+    chunked = ChunkedLoss(output_layer(capped, model), 7, cross_entropy_sum)
+    whole = summed_loss(model, MicroBatch(tokens, tokens), cross_entropy_sum)
+    assert (summed_loss(model, MicroBatch(tokens, tokens), chunked) - whole).abs() > 1e-2
+
+    base = [f"--data.path={tiny_dataset}", *TINY, "--train.micro_batch_size=4"]
+    env = LaunchEnv(0, 0, 1, 1, 1)
+    check_config(parse_config(JobConfig, [*base, "--model.name=capped"]), env)
+    argv = [*base, "--model.name=capped", "--train.loss_chunk_tokens=16"]
+    with pytest.raises(ConfigError, match="forward changes the logits after output_layer") as err:
+        check_config(parse_config(JobConfig, argv), env)
+    assert "\n" not in str(err.value)
+    zoo_argv = [*base, f"--model.name={zoo_family}", "--train.loss_chunk_tokens=16"]
+    check_config(parse_config(JobConfig, zoo_argv), env)
 
 
 @pytest.mark.parametrize(
