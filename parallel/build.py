@@ -121,7 +121,10 @@ def build_model(
         float8_comm = fp8.enabled and fp8.recipe == "tensorwise" and not job.lora.enabled
         float8_comm = float8_comm and mesh.device_type == "cuda"
         apply_tp(model, family, tp_mesh, float8_collectives=float8_comm)
-    experts = apply_ep(model, family, expert_mesh) if expert_mesh is not None else None
+    experts = None
+    if expert_mesh is not None:  # its rows split over tp at tp > 1; its compute compiled apart
+        tp_split = tp_mesh if tp > 1 else None
+        experts = apply_ep(model, family, expert_mesh, tp_split, job.compile)
     if mesh is not None and mesh["cp"].size() > 1:
         apply_cp(model, mesh["cp"])
     if job.lora.enabled:  # 4
@@ -132,11 +135,12 @@ def build_model(
     if mesh is None:
         return built
     compile_first = tp_compile_workarounds(model, family, tp, job.compile.enabled, job.ac.mode)
+    apart = experts.modules if experts is not None else ()  # compiled around: parallel/ep.py
     if compile_first:  # 5
-        apply_compile(model, family.fsdp_units(model), job.compile)
+        apply_compile(model, family.fsdp_units(model), job.compile, apart)
         apply_ac(model, family.fsdp_units(model), job.ac)
     else:
         apply_ac(model, family.fsdp_units(model), job.ac)
-        apply_compile(model, family.fsdp_units(model), job.compile)
+        apply_compile(model, family.fsdp_units(model), job.compile, apart)
     apply_fsdp(model, family.fsdp_units(model), fsdp_mesh, job.parallel, experts)  # 6
     return built
