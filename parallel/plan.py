@@ -41,9 +41,11 @@ real run within 1%):
   others, sharded over dp_shard along dim 0 (the experts) and all-gathered whole with their
   block. Activations count the routed copies: top_k per token. Expert parallel (ep > 1,
   parallel/ep.py) splits them over ep by expert, then FSDP-shards each rank's experts over
-  expert_shard = dp_shard / ep in a unit of their own: gathered and reduce-scattered there
-  (n_experts / ep experts when gathered), all-reduced over dp_replicate with the rest, and
-  four all-to-alls of the routed rows per MoE layer and micro-batch (`_ep_communication`).
+  expert_shard = dp_shard x cp x tp / ep in a unit of their own: gathered and reduce-scattered
+  there (n_experts / ep experts when gathered), all-reduced over dp_replicate with the rest,
+  and four all-to-alls of the routed rows per MoE layer and micro-batch, each tp rank sending
+  its 1/tp of them, plus two all-gathers of the routed rows over tp at tp > 1
+  (`_ep_communication`, `_ep_tp_gathers`).
 - Context parallel (cp > 1, parallel/cp.py): each rank holds micro-batch x seq_len / cp
   tokens, so activations and logits divide by cp, except the whole sequence's keys and values
   that attention gathers and keeps for backward (2·cp·kv_dim per local token and block in
@@ -125,7 +127,8 @@ class Unit:
         a weight tensor parallel splits holds 1/tp of them (tp divides those dims).
         `trainable_only`: of the parameters that train (gradients, optimizer state). Expert
         weights under expert parallel: split over ep by expert first, then FSDP pads each
-        rank's experts to a multiple of shard / ep (expert_shard). `experts`: True for the
+        rank's experts to a multiple of shard x tp / ep (expert_shard: the tp ranks compute
+        other rows, parallel/ep.py; tp splits no expert). `experts`: True for the
         expert weights only, False for the others only; `muon` likewise for Muon's."""
         split = self.tp_split or (False,) * len(self.shapes)
         expert = self.expert or (False,) * len(self.shapes)
@@ -138,7 +141,9 @@ class Unit:
                 continue
             if (experts is not None and e != experts) or (muon is not None and m != muon):
                 continue
-            rows = math.ceil(s[0] // ep / (shard // ep)) if e else math.ceil(s[0] / shard)
+            # Under EP the experts' FSDP group is the ranks EP leaves, tp ranks included.
+            group = shard * tp // ep if ep > 1 else shard
+            rows = math.ceil(s[0] // ep / group) if e else math.ceil(s[0] / shard)
             total += rows * math.prod(s[1:]) // (tp if t else 1)
         return total
 
@@ -319,7 +324,8 @@ def plan_communication(
     `muon_dtype`: optim.muon.ns_dtype under optim.name="muon" (None: AdamW)."""
     units = shape.units
     tokens //= cp  # each cp rank holds 1/cp of every sequence
-    s, r, e = dp_shard * cp, dp_replicate, dp_shard // ep
+    s, r = dp_shard * cp, dp_replicate
+    e = s * tp // ep if ep > 1 else s  # the experts' FSDP group (expert_shard under EP)
     pbytes, rbytes = BYTES[param_dtype], BYTES[reduce_dtype]
     resharded = reshard_plan(len(units) - 1, reshard_after_forward, s, cpu_offload)
     # With no unit resharded, the loop keeps them gathered across micro-batches too.
@@ -359,8 +365,12 @@ def plan_communication(
     else:
         comm["expert_shard"] = {"all_gather": expert_gather, "reduce_scatter": expert_reduce}
         comm["ep"] = _ep_communication(
-            shape, ep, tokens, param_dtype, ac_mode, ac_every, grad_accum_steps
+            shape, ep, tokens // tp, param_dtype, ac_mode, ac_every, grad_accum_steps
         )
+        if tp > 1:
+            comm["tp"]["all_gather"] += _ep_tp_gathers(
+                shape, tp, tokens, param_dtype, ac_mode, ac_every, grad_accum_steps
+            )
     if cp > 1:
         comm["cp"] = _cp_communication(
             shape, cp, tokens, param_dtype, ac_mode, ac_every, grad_accum_steps, tp
@@ -439,6 +449,25 @@ def _ep_communication(
     return {"all_to_all": micro_batches * leaving * per_step}
 
 
+def _ep_tp_gathers(
+    shape: ModelShape,
+    tp: int,
+    tokens: int,
+    param_dtype: str,
+    ac_mode: AcMode,
+    ac_every: int,
+    micro_batches: int,
+) -> float:
+    """Bytes of expert parallel's all-gathers over tp per rank and step (parallel/ep.py): each
+    tp rank computes 1/tp of the tokens x top_k routed rows; per MoE layer and micro-batch the
+    results are all-gathered in forward and the rows' gradients in backward, and a
+    checkpointed block's recompute gathers again."""
+    n = sum(any(u.expert) for u in shape.units)  # MoE layers
+    recomputed = {"full": n, "selective": math.ceil(n / ac_every)}.get(ac_mode, 0)
+    rows = tokens * shape.top_k * shape.dim * BYTES[param_dtype]
+    return micro_batches * (2 * n + recomputed) * (tp - 1) / tp * rows
+
+
 def _tp_communication(
     shape: ModelShape,
     tp: int,
@@ -459,9 +488,12 @@ def _tp_communication(
     # and the final norm's gather (and their backward twins). The logits stay split: loss
     # parallel all-reduces three float32 values per token (max, sum of exp, target logit).
     hidden = (tp - 1) / tp * tokens * shape.dim * BYTES[param_dtype]
+    # An MoE layer runs whole on every tp rank ("replicate"): its output is split back by
+    # slicing, so it has no reduce-scatter, forward or backward, where a SwiGLU FFN has w2's.
+    moe = sum(any(u.expert) for u in shape.units)
     return {
         "all_gather": micro_batches * (4 * n + 2 * recomputed + 2) * hidden,
-        "reduce_scatter": micro_batches * (4 * n + recomputed + 2) * hidden,
+        "reduce_scatter": micro_batches * (4 * n - 2 * moe + recomputed + 2) * hidden,
         "all_reduce": micro_batches * 3 * 2 * (tp - 1) / tp * tokens * 4,
     }
 
