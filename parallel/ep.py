@@ -72,9 +72,18 @@ from parallel.dims import ParallelConfig
 from parallel.tp import _not_norm_hint
 
 
-def check_ep(family: ModelFamily, args: Any, cfg: ParallelConfig, dp_shard: int, name: str) -> None:
-    """ConfigError for an expert-parallel degree this model and mesh cannot take. `dp_shard`:
-    the data-parallel ranks of a replica, dp_shard x cp (`build_expert_mesh`)."""
+def check_ep(
+    family: ModelFamily,
+    args: Any,
+    cfg: ParallelConfig,
+    dp_shard: int,
+    name: str,
+    compiled: bool = False,
+    ac_mode: str = "none",
+) -> None:
+    """ConfigError for an expert-parallel degree this model, mesh and run cannot take.
+    `dp_shard`: the data-parallel ranks of a replica, dp_shard x cp (`build_expert_mesh`);
+    `compiled`: compile.enabled; `ac_mode`: ac.mode."""
     ep = cfg.ep
     if ep == 1:
         return
@@ -99,6 +108,14 @@ def check_ep(family: ModelFamily, args: Any, cfg: ParallelConfig, dp_shard: int,
             f"parallel.ep={ep} with parallel.tp={cfg.tp}: model {name}'s TP_PLAN must run its "
             "MoE layers whole on every tp rank (style 'replicate'), as EP x tp splits their "
             "routed rows over tp (parallel/ep.py)"
+        )
+    if compiled and ac_mode == "op":
+        raise ConfigError(
+            f"ac.mode='op' with parallel.ep={ep} and compile.enabled is not supported: EP "
+            "compiles each block in regions around its dispatch, and op-level AC, which replays "
+            "each op's saved output in the recompute, cannot match the ops of compiled regions "
+            "run from eager code (torch: 'invocation index ... not found in storage'); use "
+            "ac.mode='full' or 'selective', or eager blocks"
         )
 
 
