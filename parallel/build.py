@@ -16,6 +16,7 @@ why each step comes where it does:
 3. Tensor parallel (tp > 1), then expert parallel (an expert mesh): on the model on meta,
    before AC, compile and FSDP, which wrap or shard the split modules and DTensors they leave.
    Its tp mesh comes from the root of FSDP's (`fsdp_and_tp_meshes`): FSDP2 joins them.
+   At tp > 1 expert parallel splits the MoE layer's routed rows over tp (parallel/ep.py).
    Then context parallel (cp > 1): hooks around the root's forward, no module or parameter
    changed, so nothing after it sees a difference; activation checkpointing's recompute gets
    the split mask as a block input (parallel/cp.py).
@@ -25,7 +26,8 @@ why each step comes where it does:
 5. Activation checkpointing, then compile, per block: the compiled block includes its
    recompute, and FSDP's collectives stay outside compiled code. At tp > 1 compiled blocks need
    torch workarounds, one of which reverses that order for whole-block AC
-   (parallel/workarounds.py); this is the only place that order is decided.
+   (parallel/workarounds.py); this is the only place that order is decided. A block whose
+   experts run under expert parallel is compiled in regions around them (`experts_apart`).
 6. FSDP: each block (and, under expert parallel, each expert module inside it) its own unit,
    then the root.
 
@@ -44,7 +46,7 @@ from model import ModelFamily, StepTerms, step_terms
 from parallel.ac import apply_ac
 from parallel.compile import apply_compile
 from parallel.cp import apply_cp
-from parallel.ep import apply_ep
+from parallel.ep import apply_ep, experts_apart
 from parallel.float8 import Float8Decision, apply_float8, float8_policy, precompute_float8_scales
 from parallel.freeze import apply_freeze
 from parallel.fsdp import apply_fsdp
@@ -135,7 +137,7 @@ def build_model(
     if mesh is None:
         return built
     compile_first = tp_compile_workarounds(model, family, tp, job.compile.enabled, job.ac.mode)
-    apart = experts.modules if experts is not None else ()  # compiled around: parallel/ep.py
+    apart = experts_apart(model, family, job.compile, experts)  # compiled around them
     if compile_first:  # 5
         apply_compile(model, family.fsdp_units(model), job.compile, apart)
         apply_ac(model, family.fsdp_units(model), job.ac)

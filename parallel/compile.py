@@ -26,6 +26,9 @@ class CompileConfig:
     fullgraph: bool = True
     """Fail on a graph break instead of silently running part of a compiled region eagerly (a
     block; an MoE block under expert parallel is compiled in regions: `compile_around`)."""
+    moe_regions: bool = False
+    """Compile mixture-of-experts blocks in regions around their experts, as expert parallel
+    always does (parallel/ep.py), also without it: to compare with whole compiled blocks."""
     loss: bool = True
     """With compile.enabled, also compile the loss: the float32 upcast, log-softmax and NLL fuse
     into kernels that read the compute-dtype logits, so no float32 copy of the (tokens x vocab)

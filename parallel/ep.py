@@ -78,13 +78,25 @@ def check_ep(
     cfg: ParallelConfig,
     dp_shard: int,
     name: str,
-    compiled: bool = False,
+    compiled: CompileConfig | None = None,
     ac_mode: str = "none",
 ) -> None:
-    """ConfigError for an expert-parallel degree this model, mesh and run cannot take.
-    `dp_shard`: the data-parallel ranks of a replica, dp_shard x cp (`build_expert_mesh`);
-    `compiled`: compile.enabled; `ac_mode`: ac.mode."""
-    ep = cfg.ep
+    """ConfigError for an expert-parallel degree (or MoE compile regions) this model, mesh and
+    run cannot take. `dp_shard`: the data-parallel ranks of a replica, dp_shard x cp
+    (`build_expert_mesh`); `compiled`: the [compile] section; `ac_mode`: ac.mode."""
+    ep, compiled = cfg.ep, compiled or CompileConfig()
+    regions = compiled.enabled and (ep > 1 or compiled.moe_regions)
+    if compiled.moe_regions and moe_family(family) is None:
+        raise ConfigError(f"compile.moe_regions: model {name} has no experts (a dense family)")
+    if regions and ac_mode == "op":
+        what = f"parallel.ep={ep}" if ep > 1 else "compile.moe_regions"
+        raise ConfigError(
+            f"ac.mode='op' with {what} and compile.enabled is not supported: MoE blocks are "
+            "then compiled in regions around their experts, and op-level AC, which replays each "
+            "op's saved output in the recompute, cannot match the ops of compiled regions run "
+            "from eager code (torch: 'invocation index ... not found in storage'); use "
+            "ac.mode='full' or 'selective', or eager blocks"
+        )
     if ep == 1:
         return
     if moe_family(family) is None:
@@ -108,14 +120,6 @@ def check_ep(
             f"parallel.ep={ep} with parallel.tp={cfg.tp}: model {name}'s TP_PLAN must run its "
             "MoE layers whole on every tp rank (style 'replicate'), as EP x tp splits their "
             "routed rows over tp (parallel/ep.py)"
-        )
-    if compiled and ac_mode == "op":
-        raise ConfigError(
-            f"ac.mode='op' with parallel.ep={ep} and compile.enabled is not supported: EP "
-            "compiles each block in regions around its dispatch, and op-level AC, which replays "
-            "each op's saved output in the recompute, cannot match the ops of compiled regions "
-            "run from eager code (torch: 'invocation index ... not found in storage'); use "
-            "ac.mode='full' or 'selective', or eager blocks"
         )
 
 
@@ -171,7 +175,7 @@ def apply_ep(
             setattr(experts, name, nn.Parameter(split, requires_grad=param.requires_grad))
         compute = type(experts).forward
         if compiled is not None and compiled.enabled:
-            compute = _compiled_compute(compute, compiled.fullgraph)
+            compute = _compiled_compute(compute, compiled)
         dispatch = _Dispatch(compute, ep_mesh.get_group(), tp_mesh)
         experts.forward = MethodType(dispatch, experts)
     # The experts' grad norm reduces over (expert_shard, ep) in two scalar all-reduces: as for
@@ -180,13 +184,31 @@ def apply_ep(
     return ExpertSharding(modules, mesh)
 
 
-def _compiled_compute(compute: Any, fullgraph: bool) -> Any:
+def experts_apart(
+    model: nn.Module, family: ModelFamily, cfg: CompileConfig, experts: ExpertSharding | None
+) -> list[nn.Module]:
+    """The modules `apply_compile` compiles around (parallel/compile.py `compile_around`): the
+    experts under EP (`apply_ep` compiled their compute); with compile.moe_regions and no EP,
+    every expert module, its compute compiled here as under EP: the same graphs, for comparing
+    them with whole compiled blocks on one GPU (bench/gpu.py). Empty: compile blocks whole."""
+    if experts is not None:
+        return experts.modules
+    moe = moe_family(family)
+    if not (cfg.enabled and cfg.moe_regions) or moe is None:
+        return []
+    modules = moe.expert_modules(model)
+    for module in modules:
+        module.forward = MethodType(_compiled_compute(type(module).forward, cfg), module)
+    return modules
+
+
+def _compiled_compute(compute: Any, cfg: CompileConfig) -> Any:
     """`compute(module, rows, counts)` compiled once for every row count: the rows a rank
     receives are marked unbacked (torch._dynamo.decorators.mark_unbacked, torch >= 2.5), so
     no value of theirs is guarded on and a new count, 0 and 1 included, reuses the graph."""
     from torch._dynamo.decorators import mark_unbacked
 
-    graph = torch.compile(compute, fullgraph=fullgraph)
+    graph = torch.compile(compute, fullgraph=cfg.fullgraph)
 
     def run(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         mark_unbacked(rows, 0)

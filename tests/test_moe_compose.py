@@ -94,10 +94,12 @@ def test_ep_compiled_equals_one_process_without_recompiles(
 ) -> None:
     """Compiled blocks (compile.fullgraph, the default) under EP, against eager on one process:
     ep 2 on 2 ranks with full AC and 2 micro-batches of 1 per rank; and ep 2 x cp 2 on 2 ranks
-    (the EP group is the cp pair), document-masked with per-document positions. Each block is
-    compiled in regions around the dispatch: the norms (one graph for both), attention, the
-    router and the experts' compute, plus the loss: 5 graphs, all made in the first step,
-    though the rows each rank's experts receive change from micro-batch to micro-batch."""
+    (the EP group is the cp pair), document-masked with per-document positions; and one
+    process with compile.moe_regions, the same regions without EP (bench/gpu.py's case). Each
+    block is compiled in regions around its experts: the norms (one graph for both),
+    attention, the router and the experts' compute, plus the loss: 5 graphs, all made in the
+    first step, though the rows each rank's experts receive change from micro-batch to
+    micro-batch."""
     ep = compiled_run(tiny_dataset, tmp_path, "ep2", 2, "--parallel.ep=2", "--ac.mode=full",
                       "--train.micro_batch_size=1")  # fmt: skip
     assert_same_run(ep, one)
@@ -109,6 +111,9 @@ def test_ep_compiled_equals_one_process_without_recompiles(
     assert_same_run(cp, masked)
     assert_same_load(cp, masked)
     assert cp["graphs"] == [5] * STEPS
+    regions = compiled_run(tiny_dataset, tmp_path, "regions", 1, "--compile.moe_regions")
+    assert_same_run(regions, one)
+    assert regions["graphs"] == [5] * STEPS
 
 
 @pytest.mark.slow

@@ -109,6 +109,7 @@ def env(world: int) -> Any:
         (["--parallel.ep=2", "--model.name=qwen3"], 4, "model qwen3 has no experts"),
         (["--parallel.ep=4", "--parallel.tp=2"], 2, r"must divide dp_shard x tp=2: .* \[2\] "),
         (["--parallel.ep=2", "--compile.enabled", "--ac.mode=op"], 2, "ac.mode='op' with"),
+        (["--compile.moe_regions", "--model.name=qwen3"], 1, "qwen3 has no experts"),
         (["--model.top_k=5"], 1, "top_k=5 exceeds n_experts=4"),
         (["--model.aux_loss_coef=-1"], 1, "model.aux_loss_coef must be >= 0"),
         (["--parallel.ep=0"], 1, "parallel.ep must be >= 1, got 0"),
