@@ -81,7 +81,7 @@ class Plan:
     tp: int = 1
     """Tensor-parallel degree (parallel/tp.py); the data-parallel ranks are the world / tp."""
     ep: int = 1
-    """Expert-parallel degree (parallel/ep.py): groups of ep ranks inside dp_shard."""
+    """Expert-parallel degree (parallel/ep.py): groups of ep ranks of dp_shard x cp x tp."""
     cp: int = 1
     """Context-parallel degree (parallel/cp.py): each sequence split over cp ranks."""
     sources: tuple[DataSource, ...] = ()
@@ -254,6 +254,11 @@ def check_dataset(job: JobConfig, args: Any, sources: tuple[DataSource, ...]) ->
         check_eval_split(source.index, job.data.seq_len, t.global_batch_size, t.eval_batches)
 
 
+def _ep_ranks(plan: Plan) -> str:
+    """The ranks EP groups come from (parallel/ep.py), as the dry run names them."""
+    return "dp_shard" + " x cp" * (plan.cp > 1) + " x tp" * (plan.tp > 1)
+
+
 def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     """`train.py --dry-run`: the resolved config and the run's memory and communication plan,
     printed; nothing is trained and no data is needed."""
@@ -298,7 +303,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         f"# mesh: dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard}"
         + (f" x cp={plan.cp}" if plan.cp > 1 else "")
         + (f" x tp={plan.tp}" if plan.tp > 1 else "")
-        + (f" (ep={plan.ep} inside dp_shard{' x cp' * (plan.cp > 1)})" if plan.ep > 1 else "")
+        + (f" (ep={plan.ep} inside {_ep_ranks(plan)})" if plan.ep > 1 else "")
         + " "
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )

@@ -33,7 +33,8 @@ class ParallelConfig:
     weights: FSDP shards over dp_shard x cp."""
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts families): the experts are split over groups
-    of ep consecutive dp_shard ranks, tokens sent to them by all-to-all (parallel/ep.py)."""
+    of ep consecutive ranks of dp_shard x cp x tp, tokens sent to them by all-to-all
+    (parallel/ep.py)."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """'always' frees gathered parameters after forward (ZeRO-3, least memory); 'never' keeps
     them until backward (ZeRO-2 style, one all-gather fewer per block); 'default' frees them
