@@ -204,6 +204,8 @@ def unintended_settings(job: JobConfig) -> list[str]:
         settings = ", ".join(f"optim.muon.{name}={value!r}" for name, value in unused.items())
         verb = "has" if len(unused) == 1 else "have"
         warnings.append(f"{settings} {verb} no effect with optim.name={job.optim.name!r}")
+    if job.compile.moe_regions and not job.compile.enabled:
+        warnings.append("compile.moe_regions=True has no effect with compile.enabled=false")
     if not job.fp8.enabled and (unused := changed_fields(job.fp8, Float8Config())):
         settings = ", ".join(f"fp8.{name}={value!r}" for name, value in unused.items())
         verb = "has" if len(unused) == 1 else "have"

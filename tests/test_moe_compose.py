@@ -138,3 +138,15 @@ def test_planner_matches_measured_ep_tp_bytes(tiny_dataset: str, tmp_path: Path)
         assert_as_planned(result, planned, mem, ("dp_shard", "expert_shard"))
     sent = [r["sent"][("ep", "all_to_all")] for r in results]
     assert sum(sent) / len(sent) == pytest.approx(planned["ep"]["all_to_all"], rel=0.01)
+
+
+def test_moe_regions_without_compile_is_a_warning() -> None:
+    """compile.moe_regions with compile.enabled off would do nothing: said in rank 0's log."""
+    from configs import parse_config
+    from launch.check import unintended_settings
+    from launch.job import JobConfig
+
+    job = parse_config(JobConfig, [*MOE, "--compile.moe_regions"])
+    assert unintended_settings(job) == [
+        "compile.moe_regions=True has no effect with compile.enabled=false"
+    ]
