@@ -110,9 +110,10 @@ def check_ep(
     if ranks % ep != 0:
         fits = [d for d in range(2, ranks + 1) if ranks % d == 0 and args.n_experts % d == 0]
         what = "dp_shard" + " x cp" * (cfg.cp > 1) + " x tp" * (cfg.tp > 1)
+        fit = f"ep in {fits} would fit" if fits else "no ep > 1 fits"
         raise ConfigError(
             f"parallel.ep={ep} must divide {what}={ranks}: an EP group is ep consecutive ranks "
-            f"of one replica (parallel/ep.py); ep in {fits} would fit this mesh and model"
+            f"of one replica (parallel/ep.py); {fit} this mesh and model"
         )
     plan = getattr(family, "TP_PLAN", None) or {}
     if cfg.tp > 1 and "replicate" not in plan.values():
