@@ -391,9 +391,9 @@ def setup(
     """The model as it will train (parallel/build.py), materialized and initialized on this
     rank's shards, and its optimizer and schedule."""
     expert_mesh = None
-    if plan.ep > 1:  # the experts split over groups of ep ranks inside dp_shard (x cp)
-        fsdp_ranks = plan.dp_shard * plan.cp
-        expert_mesh = build_expert_mesh(device, plan.dp_replicate, fsdp_ranks, plan.ep)
+    if plan.ep > 1:  # the experts split over groups of ep ranks of a replica's dp_shard x cp x tp
+        ranks = plan.dp_shard * plan.cp * plan.tp
+        expert_mesh = build_expert_mesh(device, plan.dp_replicate, ranks, plan.ep)
     built = build_model(plan.family, plan.args, job, mesh, expert_mesh, list(plan.stage_sizes))
     model = built.model
     if env.rank == 0 and job.lora.enabled:

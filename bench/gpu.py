@@ -6,7 +6,7 @@
     python bench/gpu.py --suite 8b-blocks --profile   # 8 8B blocks, vocab 2048, with a profile
     python bench/gpu.py --suite documents   # 1B at 8k: document masking (flex) vs causal
     python bench/gpu.py --suite finetune    # 1B at 8k: full vs half frozen vs LoRA rank 16
-    python bench/gpu.py --suite moe     # 4 layers of Qwen3-30B-A3B, grouped GEMM: eager, compile
+    python bench/gpu.py --suite moe     # 4 layers of Qwen3-30B-A3B: eager, compile, EP's regions
     python bench/gpu.py --suite cp      # 2+ GPUs: 1B at 32k and 64k, cp = GPUs, chunked loss
     python bench/gpu.py --suite pp      # 2+ GPUs: 1B at 8k, pp = GPUs: schedules against FSDP
     python bench/gpu.py --suite muon    # 1B at 8k: AdamW vs Muon (bf16 and fp32 Newton-Schulz)
@@ -129,6 +129,8 @@ SUITES = {
     # 128 experts of hidden 768, top 8) and vocabulary, 4 of its 48 layers so one H100 holds
     # the model and its fp32 state (the planner: ~62 GiB). The experts run as torch._grouped_mm
     # (bf16); compiled blocks keep it as an opaque custom op. MFU counts active parameters.
+    # "regions": the blocks compiled as expert parallel compiles them (parallel/ep.py: norms,
+    # attention, router and the experts' compute as graphs, sort and combine eager), at ep 1.
     "moe": {
         "model": [
             "--model.name=qwen3_moe",
@@ -138,7 +140,11 @@ SUITES = {
         ],  # fmt: skip
         "smoke": ["--model.name=qwen3_moe"],
         "baseline": "bf16 eager",
-        "cases": {"bf16 eager": [], "bf16 compile": COMPILE},
+        "cases": {
+            "bf16 eager": [],
+            "bf16 compile": COMPILE,
+            "bf16 compile regions (EP's)": [*COMPILE, "--compile.moe_regions=true"],
+        },
     },
     # Issue #31 (Muon): the 1B flavor at 8k tokens, compiled, AdamW against Muon on the blocks'
     # matrices (Newton-Schulz in bfloat16, torch's, and in float32). On one GPU no matrix

@@ -92,7 +92,7 @@ class Plan:
     tp: int = 1
     """Tensor-parallel degree (parallel/tp.py); the data-parallel ranks are the world / tp."""
     ep: int = 1
-    """Expert-parallel degree (parallel/ep.py): groups of ep ranks inside dp_shard."""
+    """Expert-parallel degree (parallel/ep.py): groups of ep ranks of dp_shard x cp x tp."""
     cp: int = 1
     """Context-parallel degree (parallel/cp.py): each sequence split over cp ranks."""
     pp: int = 1
@@ -287,6 +287,8 @@ def unintended_settings(job: JobConfig) -> list[str]:
         settings = ", ".join(f"optim.muon.{name}={value!r}" for name, value in unused.items())
         verb = "has" if len(unused) == 1 else "have"
         warnings.append(f"{settings} {verb} no effect with optim.name={job.optim.name!r}")
+    if job.compile.moe_regions and not job.compile.enabled:
+        warnings.append("compile.moe_regions=True has no effect with compile.enabled=false")
     if not job.fp8.enabled and (unused := changed_fields(job.fp8, Float8Config())):
         settings = ", ".join(f"fp8.{name}={value!r}" for name, value in unused.items())
         verb = "has" if len(unused) == 1 else "have"
@@ -341,6 +343,11 @@ def check_dataset(job: JobConfig, args: Any, sources: tuple[DataSource, ...]) ->
         # A split too short for one window, or fewer windows than eval_batches asks for, would
         # fail at the first evaluation (after the steps before it) or silently repeat data.
         check_eval_split(source.index, job.data.seq_len, t.global_batch_size, t.eval_batches)
+
+
+def _ep_ranks(plan: Plan) -> str:
+    """The ranks EP groups come from (parallel/ep.py), as the dry run names them."""
+    return "dp_shard" + " x cp" * (plan.cp > 1) + " x tp" * (plan.tp > 1)
 
 
 def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
@@ -411,7 +418,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         f"dp_shard={plan.dp_shard}"
         + (f" x cp={plan.cp}" if plan.cp > 1 else "")
         + (f" x tp={plan.tp}" if plan.tp > 1 else "")
-        + (f" (ep={plan.ep} inside dp_shard{' x cp' * (plan.cp > 1)})" if plan.ep > 1 else "")
+        + (f" (ep={plan.ep} inside {_ep_ranks(plan)})" if plan.ep > 1 else "")
         + " "
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )

@@ -178,6 +178,13 @@ def _meshes(a: argparse.Namespace, shape: ModelShape) -> dict[str, tuple[int, in
     for ep in a.ep if shape.n_experts else []:
         if ep > 1 and a.gpus_per_node % ep == 0 and shape.n_experts % ep == 0:
             meshes[f"FSDP 1x{world} EP{ep}"] = (1, world, 1, ep, 1)
+    # Both: tp splits attention inside a node, EP groups of ep consecutive GPUs (the tp ranks
+    # first) split the experts, each tp rank computing 1/tp of the routed rows (parallel/ep.py).
+    for tp in a.tp:
+        for ep in a.ep if shape.n_experts else []:
+            fits = tp > 1 and ep > 1 and a.gpus_per_node % tp == 0
+            if fits and a.gpus_per_node % ep == 0 and shape.n_experts % ep == 0:
+                meshes[f"FSDP 1x{world // tp} TP{tp} EP{ep}"] = (1, world // tp, tp, ep, 1)
     # Context parallel: groups of cp GPUs of one node split each sequence (2 x cp chunks);
     # FSDP shards over all GPUs (dp_shard x cp), as train.py's dp_mesh does.
     for cp in a.cp:

@@ -67,7 +67,10 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
 def _grouped_linear_backward(
     grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    grad = grad.contiguous()  # a gradient may arrive expanded (stride 0): not a valid layout
+    # A gradient may arrive expanded (stride 0): not a valid layout. With no rows (under expert
+    # parallel a rank may receive none) .contiguous() keeps those strides: make a fresh one.
+    fresh = torch.zeros_like(grad, memory_format=torch.contiguous_format)
+    grad = grad.contiguous() if grad.numel() else fresh
     grad_x = torch._grouped_mm(grad, w, offs=offsets)
     # (n, rows) x (rows, k), groups along the rows: one (n, k) block per group, w's layout.
     grad_w = torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets)

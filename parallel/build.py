@@ -21,6 +21,7 @@ why each step comes where it does:
 3. Tensor parallel (tp > 1), then expert parallel (an expert mesh): on the model on meta,
    before AC, compile and FSDP, which wrap or shard the split modules and DTensors they leave.
    Its tp mesh comes from the root of FSDP's (`fsdp_and_tp_meshes`): FSDP2 joins them.
+   At tp > 1 expert parallel splits the MoE layer's routed rows over tp (parallel/ep.py).
    Then context parallel (cp > 1): hooks around the root's forward, no module or parameter
    changed, so nothing after it sees a difference; activation checkpointing's recompute gets
    the split mask as a block input (parallel/cp.py).
@@ -30,7 +31,8 @@ why each step comes where it does:
 5. Activation checkpointing, then compile, per block: the compiled block includes its
    recompute, and FSDP's collectives stay outside compiled code. At tp > 1 compiled blocks need
    torch workarounds, one of which reverses that order for whole-block AC
-   (parallel/workarounds.py); this is the only place that order is decided.
+   (parallel/workarounds.py); this is the only place that order is decided. A block whose
+   experts run under expert parallel is compiled in regions around them (`experts_apart`).
 6. FSDP: each block (and, under expert parallel, each expert module inside it) its own unit,
    then the root.
 
@@ -54,7 +56,7 @@ from model import ModelFamily, StepTerms, step_terms
 from parallel.ac import apply_ac
 from parallel.compile import apply_compile
 from parallel.cp import apply_cp
-from parallel.ep import apply_ep
+from parallel.ep import apply_ep, experts_apart
 from parallel.float8 import Float8Decision, apply_float8, float8_policy, precompute_float8_scales
 from parallel.freeze import apply_freeze
 from parallel.fsdp import apply_fsdp
@@ -178,7 +180,10 @@ def _parallelize(
         float8_comm = fp8.enabled and fp8.recipe == "tensorwise" and not job.lora.enabled
         float8_comm = float8_comm and mesh.device_type == "cuda"
         apply_tp(model, family, tp_mesh, float8_collectives=float8_comm)
-    experts = apply_ep(model, family, expert_mesh) if expert_mesh is not None else None
+    experts = None
+    if expert_mesh is not None:  # its rows split over tp at tp > 1; its compute compiled apart
+        tp_split = tp_mesh if tp > 1 else None
+        experts = apply_ep(model, family, expert_mesh, tp_split, job.compile)
     if mesh is not None and mesh["cp"].size() > 1:
         apply_cp(model, mesh["cp"])
     lora, freeze = job.lora, job.train.freeze
@@ -197,11 +202,12 @@ def _parallelize(
         apply_graph_fsdp(model, family, fsdp_mesh, job.parallel, job.compile)
         return terms
     compile_first = tp_compile_workarounds(model, family, tp, job.compile.enabled, job.ac.mode)
+    apart = experts_apart(model, family, job.compile, experts)  # compiled around them
     if compile_first:  # 5
-        apply_compile(model, family.fsdp_units(model), job.compile)
+        apply_compile(model, family.fsdp_units(model), job.compile, apart)
         apply_ac(model, family.fsdp_units(model), job.ac)
     else:
         apply_ac(model, family.fsdp_units(model), job.ac)
-        apply_compile(model, family.fsdp_units(model), job.compile)
+        apply_compile(model, family.fsdp_units(model), job.compile, apart)
     apply_fsdp(model, family.fsdp_units(model), fsdp_mesh, job.parallel, experts)  # 6
     return terms

@@ -9,7 +9,7 @@ and builds C++ (a compiler must be installed); on GPU, Triton kernels.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,7 +26,11 @@ class CompileConfig:
     """Compile each transformer block with torch.compile (Inductor). The first steps are slow
     while it compiles."""
     fullgraph: bool = True
-    """Fail on a graph break instead of silently running part of a block eagerly."""
+    """Fail on a graph break instead of silently running part of a compiled region eagerly (a
+    block; an MoE block under expert parallel is compiled in regions: `compile_around`)."""
+    moe_regions: bool = False
+    """Compile mixture-of-experts blocks in regions around their experts, as expert parallel
+    always does (parallel/ep.py), also without it: to compare with whole compiled blocks."""
     loss: bool = True
     """With compile.enabled, also compile the loss: the float32 upcast, log-softmax and NLL fuse
     into kernels that read the compute-dtype logits, so no float32 copy of the (tokens x vocab)
@@ -60,9 +64,13 @@ def compile_loss(loss_fn: Callable[..., torch.Tensor], cfg: CompileConfig) -> Ca
     return torch.compile(loss_fn, fullgraph=True)
 
 
-def apply_compile(model: nn.Module, blocks: list[nn.Module], cfg: CompileConfig) -> None:
+def apply_compile(
+    model: nn.Module, blocks: list[nn.Module], cfg: CompileConfig, apart: Sequence[nn.Module] = ()
+) -> None:
     """Replace each of `blocks` (the family's `fsdp_units(model)`, after `apply_ac`: the
-    checkpoint wrappers) inside `model` by its compiled wrapper.
+    checkpoint wrappers) inside `model` by its compiled wrapper; a block that holds one of
+    `apart` (modules that must run eagerly: expert parallel's experts) is compiled around them
+    instead (`compile_around`).
 
     Parameter names gain an `_orig_mod.` segment, which DCP's `get_model_state_dict` and
     `model.canonical_name` drop: checkpoints stay interchangeable with eager runs.
@@ -73,4 +81,28 @@ def apply_compile(model: nn.Module, blocks: list[nn.Module], cfg: CompileConfig)
     if not cfg.enabled or cfg.fsdp == "graph":  # parallel/graph_fsdp.py compiles the whole model
         return
     for block in blocks:
-        replace_submodule(model, block, torch.compile(block, fullgraph=cfg.fullgraph))
+        if _holds(block, apart):
+            compile_around(block, apart, cfg)
+        else:
+            replace_submodule(model, block, torch.compile(block, fullgraph=cfg.fullgraph))
+
+
+def compile_around(module: nn.Module, apart: Sequence[nn.Module], cfg: CompileConfig) -> None:
+    """Compile, in place, each child of `module` that holds none of `apart`, and descend into
+    the children that do: every compiled region is a whole submodule, and what lies between
+    them (`apart`, and the forward code of `module` and of the modules on the way to it) runs
+    eagerly. For expert parallel's experts, an FSDP unit of their own whose all-to-all needs
+    row counts on the host, that is the block's norms, attention and router (parallel/ep.py
+    compiles the experts' own compute). Identical submodules of all blocks share a graph."""
+    for name, child in module.named_children():
+        if any(child is m for m in apart):
+            continue
+        if _holds(child, apart):
+            compile_around(child, apart, cfg)
+        else:
+            setattr(module, name, torch.compile(child, fullgraph=cfg.fullgraph))
+
+
+def _holds(module: nn.Module, apart: Sequence[nn.Module]) -> bool:
+    ids = {id(m) for m in apart}
+    return any(id(m) in ids for m in module.modules())

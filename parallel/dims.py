@@ -34,7 +34,8 @@ class ParallelConfig:
     weights: FSDP shards over dp_shard x cp."""
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts families): the experts are split over groups
-    of ep consecutive dp_shard ranks, tokens sent to them by all-to-all (parallel/ep.py)."""
+    of ep consecutive ranks of dp_shard x cp x tp, tokens sent to them by all-to-all
+    (parallel/ep.py)."""
     pp: int = 1
     """Pipeline-parallel degree, the outermost mesh dimension (world = pp x dp_replicate x
     dp_shard x cp x tp): the blocks split into stages of contiguous ranges, each stage on its

@@ -48,11 +48,13 @@ real run within 1%):
   the stacked expert weights): without expert parallel they are block parameters like the
   others, sharded over dp_shard along dim 0 (the experts) and all-gathered whole with their
   block. Activations count the routed copies: top_k per token, in the MoE blocks. Expert
-  parallel (ep > 1, parallel/ep.py) splits them over ep by expert, then FSDP-shards each
-  rank's experts over expert_shard = dp_shard / ep in a unit of their own: gathered and
-  reduce-scattered there (n_experts / ep experts when gathered), all-reduced over
-  dp_replicate with the rest, and four all-to-alls of the routed rows per MoE block and
-  micro-batch (`_ep_communication`).
+  parallel (ep > 1, parallel/ep.py) splits them over ep by expert, then FSDP-shards each rank's
+  experts over
+  expert_shard = dp_shard x cp x tp / ep in a unit of their own: gathered and reduce-scattered
+  there (n_experts / ep experts when gathered), all-reduced over dp_replicate with the rest,
+  and four all-to-alls of the routed rows per MoE block and micro-batch, each tp rank sending
+  its 1/tp of them, plus two all-gathers of the routed rows over tp at tp > 1
+  (`_ep_communication`, `_ep_tp_gathers`).
 - Context parallel (cp > 1, parallel/cp.py): each rank holds micro-batch x seq_len / cp
   tokens, so activations and logits divide by cp, except the whole sequence's keys and values
   that attention gathers and keeps for backward (2·cp·kv_dim per local token and block in
@@ -118,7 +120,8 @@ def plan_communication(
     `shape` is one pipeline rank's stages (parallel/pp_plan.py `plan_pipeline`)."""
     units = shape.units
     tokens //= cp  # each cp rank holds 1/cp of every sequence
-    s, r, e = dp_shard * cp, dp_replicate, dp_shard // ep
+    s, r = dp_shard * cp, dp_replicate
+    e = s * tp // ep if ep > 1 else s  # the experts' FSDP group (expert_shard under EP)
     pbytes, rbytes = BYTES[param_dtype], BYTES[reduce_dtype]
     resharded = reshard_plan(len(units) - 1, reshard_after_forward, s, cpu_offload, pipelined)
     if graph_fsdp:  # the partitioner regathers every weight for backward, the root's too
@@ -161,8 +164,12 @@ def plan_communication(
     else:
         comm["expert_shard"] = {"all_gather": expert_gather, "reduce_scatter": expert_reduce}
         comm["ep"] = _ep_communication(
-            shape, ep, tokens, param_dtype, ac_mode, ac_every, grad_accum_steps
+            shape, ep, tokens // tp, param_dtype, ac_mode, ac_every, grad_accum_steps
         )
+        if tp > 1:
+            comm["tp"]["all_gather"] += _ep_tp_gathers(
+                shape, tp, tokens, param_dtype, ac_mode, ac_every, grad_accum_steps
+            )
     if cp > 1:
         comm["cp"] = _cp_communication(
             shape, cp, tokens, param_dtype, ac_mode, ac_every, grad_accum_steps, tp
@@ -262,6 +269,31 @@ def _ep_communication(
     return {"all_to_all": micro_batches * (ep - 1) / ep * per_step}
 
 
+def _ep_tp_gathers(
+    shape: ModelShape,
+    tp: int,
+    tokens: int,
+    param_dtype: str,
+    ac_mode: AcMode,
+    ac_every: int,
+    micro_batches: int,
+) -> float:
+    """Bytes of expert parallel's all-gathers over tp per rank and step (parallel/ep.py): each
+    tp rank computes 1/tp of the tokens x top_k routed rows; per MoE block and micro-batch the
+    results are all-gathered in forward and the rows' gradients in backward, and a
+    checkpointed block's recompute gathers again."""
+    if shape.blocks is None:  # top_k unknown
+        return math.nan
+    recomputes = _checkpointed(shape, ac_mode, ac_every) if ac_mode != "op" else []
+    total = 0.0
+    for i, block in enumerate(shape.blocks):
+        if (experts := block.experts) is None:
+            continue
+        rows = tokens * experts.top_k * shape.dim * BYTES[param_dtype]
+        total += (3 if i < len(recomputes) and recomputes[i] else 2) * rows
+    return micro_batches * (tp - 1) / tp * total
+
+
 def _tp_communication(
     shape: ModelShape,
     tp: int,
@@ -282,9 +314,12 @@ def _tp_communication(
     # and the final norm's gather (and their backward twins). The logits stay split: loss
     # parallel all-reduces three float32 values per token (max, sum of exp, target logit).
     hidden = (tp - 1) / tp * tokens * shape.dim * BYTES[param_dtype]
+    # An MoE layer runs whole on every tp rank ("replicate"): its output is split back by
+    # slicing, so it has no reduce-scatter, forward or backward, where a SwiGLU FFN has w2's.
+    moe = sum(any(u.expert) for u in shape.units)
     return {
         "all_gather": micro_batches * (4 * n + 2 * recomputed + 2) * hidden,
-        "reduce_scatter": micro_batches * (4 * n + recomputed + 2) * hidden,
+        "reduce_scatter": micro_batches * (4 * n - 2 * moe + recomputed + 2) * hidden,
         "all_reduce": micro_batches * 3 * 2 * (tp - 1) / tp * tokens * 4,
     }
 

@@ -66,7 +66,8 @@ class Unit:
         a weight tensor parallel splits holds 1/tp of them (tp divides those dims).
         `trainable_only`: of the parameters that train (gradients, optimizer state). Expert
         weights under expert parallel: split over ep by expert first, then FSDP pads each
-        rank's experts to a multiple of shard / ep (expert_shard). `experts`: True for the
+        rank's experts to a multiple of shard x tp / ep (expert_shard: the tp ranks compute
+        other rows, parallel/ep.py; tp splits no expert). `experts`: True for the
         expert weights only, False for the others only; `muon` likewise for Muon's."""
         split = self.tp_split or (False,) * len(self.shapes)
         expert = self.expert or (False,) * len(self.shapes)
@@ -79,7 +80,9 @@ class Unit:
                 continue
             if (experts is not None and e != experts) or (muon is not None and m != muon):
                 continue
-            rows = math.ceil(s[0] // ep / (shard // ep)) if e else math.ceil(s[0] / shard)
+            # Under EP the experts' FSDP group is the ranks EP leaves, tp ranks included.
+            group = shard * tp // ep if ep > 1 else shard
+            rows = math.ceil(s[0] // ep / group) if e else math.ceil(s[0] / shard)
             total += rows * math.prod(s[1:]) // (tp if t else 1)
         return total
 

@@ -18,8 +18,8 @@ WORDS = (
 # fill in beside them, instead of a long file starting last and running alone at the end.
 SLOWEST_FIRST = (
     "test_graph_fsdp.py", "test_launch.py", "test_muon.py", "test_elastic.py",
-    "test_families.py", "test_tp.py", "test_finetune_hf.py", "test_readme.py",
-    "test_checkpoint.py", "test_health.py",
+    "test_families.py", "test_tp.py", "test_moe_compose.py", "test_finetune_hf.py",
+    "test_readme.py", "test_checkpoint.py", "test_health.py",
 )  # fmt: skip
 
 

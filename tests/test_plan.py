@@ -335,6 +335,7 @@ def test_cli_expert_parallel_for_a_mixture_of_experts(capsys: pytest.CaptureFixt
     assert "(30.53B parameters, 3.35B active per token)" in out
     assert "FSDP 1x16 EP8" in out and "ep all_to_all" in out and "expert_shard all_gather" in out
     assert "recommended: FSDP 1x16 EP8" in out
+    assert "FSDP 1x2 TP8 EP8: " in out  # attention split over the node, the experts too
     main(["--model", "8B", "--nodes", "2", "--ep", "8"])  # a dense family: no EP column
     assert "EP8" not in capsys.readouterr().out
 
