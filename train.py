@@ -438,7 +438,7 @@ def setup(
 
 
 def train_step(
-    run: Run, micro_batches: list[MicroBatch], stop: bool, log: bool, node_lost: bool = False
+    run: Run, micro_batches: list[MicroBatch], log: bool, stop: StopRequest
 ) -> StepResult:
     """One optimizer step over the step's micro-batches: the loss normalized by the step's
     target tokens over all ranks, gradients accumulated and clipped, one all-reduce for the
@@ -485,14 +485,16 @@ def train_step(
     grad_norm = clip_grad_norm(model, t.max_grad_norm)
     # The stop flags (asked to stop; a launcher died) and the model's statistics ride on the
     # loss all-reduce: every rank stops after the same step, also one that the signal did not
-    # reach, with no extra collective.
-    flags = torch.tensor([float(stop), float(node_lost)], device=loss_sum.device)
+    # reach, with no extra collective. Read now, not when the step began: a signal during this
+    # step's forward or backward stops the run after this step, as its line says.
+    flags = torch.tensor(stop.read(), dtype=torch.float32, device=loss_sum.device)
     summed = torch.cat([loss_sum.view(1), flags,
                         stats if stats is not None else loss_sum.new_zeros(0)])  # fmt: skip
     dist.all_reduce(summed)
     # One device-to-host copy for the four values every rank needs now.
     needed = torch.cat([summed[:3], grad_norm.view(1)]).tolist()
     loss_value, stop_value, lost_value, norm_value = needed
+    stop.decided(step, stop_value > 0)
     if math.isfinite(loss_value) and math.isfinite(norm_value):
         run.optimizer.step()
         run.skipped_in_a_row = 0
@@ -572,6 +574,7 @@ def loop(
     timer, end = Timer(run.device), LoopEnd()
     stragglers = StragglerMeter(job.health, run.device, run.env.rank, run.env.world_size)
     beat = run.heartbeat.beat
+    stop.start(progress.step + 1, t.steps)  # a signal's line names the step it stops after
     for step in range(progress.step + 1, t.steps + 1):
         beat(step, "data")
         # All micro-batches up front: their target count fixes the loss normalization.
@@ -580,7 +583,7 @@ def loop(
         log = step % job.metrics.log_interval == 0 or step == t.steps
         # One step (by default none) under torch.profiler: see metrics.profile_step.
         with profile_step(job.metrics, step, run_dir, run.env.rank):
-            result = train_step(run, micro_batches, stop.requested, log, stop.launcher_lost)
+            result = train_step(run, micro_batches, log, stop)
         end.losses.append(result.loss)
         progress.step = step
         progress.samples_seen += t.global_batch_size
@@ -776,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(env.rank)
     exit_with_launcher()  # a rank never outlives its torchrun agent
     stop = StopRequest()
-    stop.install()  # SIGTERM/SIGINT/SIGUSR1: finish the step, save, exit 0
+    stop.install()  # SIGTERM, SIGINT, SIGUSR1, SIGHUP, SIGQUIT: finish the step, save, exit 0
     try:
         job = parse_config(JobConfig, sys.argv[1:] if argv is None else argv)
         plan = check_config(job, env)

@@ -372,6 +372,23 @@ def test_the_launchers_check_numbers_with_one_function() -> None:
     assert len({match[1] for match in copies.values()}) == 1
 
 
+def test_every_signal_a_launcher_forwards_stops_the_ranks_cleanly() -> None:
+    """Each launcher has torchrun forward PET_SIGNALS_TO_HANDLE to the ranks; plain torchrun
+    forwards its default list (TORCHELASTIC_SIGNALS_TO_HANDLE). A rank without a handler for
+    one of them dies mid-step on it, unsaved: every one is a stop signal of the ranks'."""
+    from torch.distributed.run import get_args_parser
+
+    from launch.lifecycle import STOP_SIGNALS
+
+    ours = {sig.name for sig in STOP_SIGNALS}
+    for script in ("torchrun.sh", "multinode.sh", "hsdp.sbatch"):
+        forwarded = re.search(r"PET_SIGNALS_TO_HANDLE:-([A-Z0-9,]+)\}", (ROOT / "launch" / script)
+                              .read_text())  # fmt: skip
+        assert forwarded and set(forwarded[1].split(",")) <= ours, (script, forwarded)
+    torchrun_default = get_args_parser().get_default("signals_to_handle")
+    assert set(torchrun_default.split(",")) <= ours, torchrun_default
+
+
 def test_hsdp_sbatch_outside_slurm_is_one_line(tmp_path: Path) -> None:
     """`bash launch/hsdp.sbatch` (no sbatch) has no job, no nodes and no srun: say so."""
     env = {k: v for k, v in ENV.items() if not k.startswith("SLURM_")}
@@ -419,6 +436,36 @@ def stopped_and_saved(log: str, signame: str, ckpt: Path) -> int:
     return step
 
 
+def lines_name(log: str, signame: str, step: int, ranks: int = 2) -> None:
+    """Every rank said it would stop after `step`, the step it saved."""
+    said = re.findall(rf"\[rank(\d)\] WARNING {signame} received: stopping after step (\d+)", log)
+    assert sorted(said) == [(str(r), str(step)) for r in range(ranks)], log[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGHUP", "SIGQUIT"])
+def test_torchrun_sh_sighup_and_sigquit_save_the_step_in_flight(
+    tiny_dataset: str, tmp_path: Path, launch, signame: str
+) -> None:
+    """A terminal that closes or an ssh connection that drops (SIGHUP), or Ctrl-\\ (SIGQUIT):
+    torchrun forwards both to the ranks, which stop after the step their line names, save it
+    and exit 0; the launcher exits 128 + the signal (129, 131)."""
+    run = launch.single(tmp_path / "run.log", tiny_args(tiny_dataset, tmp_path, *LONG_RUN))
+    run.wait_for(r"step 5/\d+  loss", timeout=90)
+    ranks = run.worker_pids()
+    start, sig = time.monotonic(), getattr(signal, signame)
+    os.kill(run.procs[0].pid, sig)
+    assert run.wait(timeout=60) == [128 + sig], run.text()[-4000:]
+    gone = time.monotonic() - start
+    assert not any(alive(pid) for pid in ranks.values())
+    log = run.text()
+    step = stopped_and_saved(log, signame, tmp_path / "debug" / "checkpoints")
+    lines_name(log, signame, step)
+    assert STOP_LINE.format(name=signame, status=128 + sig) in log
+    assert "Traceback" not in log, log[-4000:]
+    print(f"{signame}: saved step {step}, torchrun and ranks gone {gone:.1f} s after the signal")
+
+
 @pytest.mark.slow
 def test_torchrun_sh_sigterm_saves_and_the_next_launch_resumes_there(
     tiny_dataset: str, tmp_path: Path, launch
@@ -435,6 +482,7 @@ def test_torchrun_sh_sigterm_saves_and_the_next_launch_resumes_there(
     gone = time.monotonic() - start
     assert not any(alive(pid) for pid in ranks.values())
     step = stopped_and_saved(run.text(), "SIGTERM", tmp_path / "debug" / "checkpoints")
+    lines_name(run.text(), "SIGTERM", step)
     assert STOP_LINE.format(name="SIGTERM", status=143) in run.text()
     assert "Traceback" not in run.text() and "SignalException" not in run.text()
 
@@ -622,7 +670,33 @@ def test_a_stop_signal_to_a_rank_already_ending_on_an_error_says_nothing(
             fresh = StopRequest()
             fresh.install()
             os.kill(os.getpid(), signal.SIGTERM)
-            assert "SIGTERM received: stopping after the current step" in caplog.text
+            assert "SIGTERM received: stopping after the first step" in caplog.text
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_a_signal_while_the_step_decides_is_said_with_the_decision(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A signal that arrives while the rank waits in the step's all-reduce, its own flag read
+    as False: another rank's flag may still stop this step, so the line waits for the answer
+    and names the step the run really stops after (never one step too late)."""
+    from launch.lifecycle import STOP_SIGNALS, StopRequest
+
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        with caplog.at_level(logging.WARNING):
+            for stopping, said in [(True, "step 6"), (False, "step 7")]:
+                caplog.clear()
+                stop = StopRequest()
+                stop.install()
+                stop.start(1, 10)
+                assert stop.read() == (False, False)
+                os.kill(os.getpid(), signal.SIGQUIT)  # inside the all-reduce: not said yet
+                assert stop.requested and caplog.text == ""
+                stop.decided(6, stopping=stopping)  # another rank's flag, or none
+                assert caplog.messages == [f"SIGQUIT received: stopping after {said}"]
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
