@@ -689,20 +689,28 @@ def task_logliks(run: Run, task: Task) -> torch.Tensor:
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip by the true global norm: the norm of DTensor gradients reduces over all shards
-    (and is the same on every replica), unlike a norm of the local shard. Frozen parameters
-    have no gradient: the norm is over the trainable ones. Gradients on different meshes (the
-    experts under expert parallel) are reduced per mesh, then combined."""
+    """Clip by the true global norm (float64): the norm of DTensor gradients reduces over all
+    shards (and is the same on every replica), unlike a norm of the local shard. Frozen
+    parameters have no gradient: the norm is over the trainable ones. Gradients on different
+    meshes (the experts under expert parallel) are reduced per mesh, then combined."""
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
     by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
         by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     norms = []
-    for group in list(by_mesh.values()) or [[]]:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+    for group in by_mesh.values():
+        # Each gradient's norm in float64 (its values cast: a temporary copy of one gradient
+        # at a time). get_total_norm has no dtype, and _foreach_norm's fused CUDA kernel sums
+        # float32 inputs in float32 whatever its dtype. Summed in float32, the norm depended on
+        # the mesh: one sum over a whole gradient against several partial ones (1.4e-5
+        # relative between 1 and 4 ranks, the debug model's step 1); in float64 the sums'
+        # own error is ~1e-15.
+        per_grad = [torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in group]
+        norm = torch.linalg.vector_norm(torch.stack(per_grad))
         # A DTensor: materialize the reduced value.
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    zero = torch.zeros((), dtype=torch.float64)
+    norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else zero
     if max_norm > 0:
         for group in by_mesh.values():  # one foreach kernel per mesh, as for the norm
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
