@@ -164,7 +164,8 @@ def test_missing_task_file_stops_the_run_at_startup(tiny_dataset: str, tmp_path:
     from launch.job import JobConfig
     from parallel.dims import LaunchEnv
 
-    argv = [f"--data.path={tiny_dataset}", *TINY, "--train.eval_interval=5",
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            "--train.eval_interval=5",
             f"--eval.tasks.t.path={tmp_path / 'none.jsonl'}"]  # fmt: skip
     with pytest.raises(ConfigError, match="eval.tasks.t.path: no task file"):
         check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, 1, 1, 1))
