@@ -152,7 +152,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
             shapes,
             positions_per_micro_step=t.micro_batch_size * dp,
             is_rank0=env.rank == 0,
-            create_folder=not job.dry_run,
+            check_writable=not job.dry_run,
         )
     except ModelMismatch as misfit:
         raise explain_misfit(job, misfit) from None
