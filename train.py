@@ -45,7 +45,14 @@ from data.loader import DataSource, build_dataloader
 from data.stream import SourceMeter
 from data.tasks import Task, task_batches, task_scores
 from launch.check import Plan, check_config, dry_run, unintended_settings
-from launch.elastic import NODE_LOST_EXIT, Mesh, NodeLost, restart_line
+from launch.elastic import (
+    NODE_LOST_EXIT,
+    Mesh,
+    NodeLost,
+    restart_line,
+    shared_store_problem,
+    shared_store_warning,
+)
 from launch.health import (
     Heartbeat,
     StragglerMeter,
@@ -166,6 +173,11 @@ class NonFiniteError(RuntimeError):
 
 class CollectiveFailure(RuntimeError):
     """A collective timed out or lost a peer; the message is the rank's one line about it."""
+
+
+class LaunchError(RuntimeError):
+    """This node's launch cannot work (its network interface, torchrun's restart store): the
+    message is the line each node says once, before any process group exists."""
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -789,10 +801,13 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest()
     stop.install()  # SIGTERM, SIGINT, SIGUSR1, SIGHUP, SIGQUIT: finish the step, save, exit 0
     try:
+        if problem := shared_store_problem(os.environ):  # plain torchrun, restarted: it would hang
+            raise LaunchError(f"restart error: {problem}")
         job = parse_config(JobConfig, sys.argv[1:] if argv is None else argv)
         plan = check_config(job, env)
         if env.rank == 0:
-            for warning in unintended_settings(job):
+            store = shared_store_warning(os.environ)
+            for warning in unintended_settings(job) + ([store] if store else []):
                 logger.warning("%s", warning)
         if job.dry_run:
             if env.rank == 0:
@@ -800,9 +815,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if launched_by_torchrun() and (problem := network_problem(dict(os.environ))):
             # Under a plain torchrun nothing checked this yet (the launch scripts do): gloo and
-            # NCCL would fail inside init_process_group, with a traceback from every rank. Each
-            # node says it once, since another node's interfaces may differ from rank 0's.
-            return report(env, f"network error: {problem}", 2, everywhere=env.local_rank == 0)
+            # NCCL would fail inside init_process_group, with a traceback from every rank.
+            raise LaunchError(f"network error: {problem}")
         train(job, plan, env, stop)
     except HelpRequested as help_request:
         if env.rank == 0:
@@ -810,6 +824,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ConfigError as err:
         return report(env, f"config error: {err}", 2)
+    except LaunchError as err:  # each node once: another node's may differ from rank 0's
+        return report(env, str(err), 2, everywhere=env.local_rank == 0)
     except (NonFiniteError, CheckpointError) as err:  # one line each, e.g. a full disk
         return report(env, str(err), 1)
     except NodeLost as err:  # one line per node left: each agent restarts its own workers

@@ -405,7 +405,7 @@ def test_plain_torchrun_with_a_missing_interface_is_one_line_per_node(
 ) -> None:
     """Plain torchrun (no launch script checked the interface): train.py checks it before
     init_process_group, instead of every rank failing inside gloo."""
-    args = tiny_args(tiny_dataset, tmp_path, "--train.steps=2")
+    args = tiny_args(tiny_dataset, tmp_path, "--train.steps=2", "--checkpoint.interval=1")
     result = subprocess.run(
         [*TORCHRUN.split(), "--standalone", "--nproc-per-node=2", "train.py", *args], cwd=ROOT,
         env=ENV | {"GLOO_SOCKET_IFNAME": "nosuchif0"}, capture_output=True, text=True,
@@ -416,6 +416,49 @@ def test_plain_torchrun_with_a_missing_interface_is_one_line_per_node(
     lines = [line for line in log.splitlines() if "network error: GLOO_SOCKET_IFNAME" in line]
     assert len(lines) == 1 and "nosuchif0" in lines[0], log[-4000:]
     assert "[rank0]" in lines[0] and "gloo" not in log.lower().replace("gloo_socket", ""), log
+    assert "received: stopping" not in log, log  # torchrun stops rank 1 as it waits: no line
+    assert not (tmp_path / "debug").exists()  # no empty run or checkpoint folder left behind
+
+
+@pytest.mark.slow
+def test_plain_torchrun_restart_on_its_shared_store_stops_with_one_line(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Plain torchrun --max-restarts (without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) restarts
+    the workers on the rendezvous store of their first start: its stale keys had gloo dial the
+    dead ranks (connectFullMesh failed after 30 s with a traceback; after a lost node, the
+    ranks waited out parallel.timeout_s in silence). The first start warns; the restarted
+    workers stop within seconds with one line naming the fix."""
+    args = tiny_args(tiny_dataset, tmp_path, "--train.steps=400", "--checkpoint.interval=5",
+                     "--metrics.log_interval=5")  # fmt: skip
+    env = {k: v for k, v in ENV.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    cmd = [*TORCHRUN.split(), "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "train.py", *args]  # fmt: skip
+    log_file = tmp_path / "run.log"
+    with open(log_file, "w") as out:
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while "checkpoint step 5:" not in log_file.read_text():
+            assert time.monotonic() < deadline and agent.poll() is None, log_file.read_text()
+            time.sleep(0.2)
+        children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()
+        os.kill(int(children[-1]), signal.SIGKILL)
+        killed = time.monotonic()
+        assert agent.wait(timeout=90) != 0
+        ended = time.monotonic() - killed
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    log = log_file.read_text()
+    warning = "WARNING torchrun --max-restarts=1 shares its rendezvous store with the workers"
+    assert log.count(warning) == 1, log[-4000:]
+    [line] = [line for line in log.splitlines() if "restart error:" in line]
+    assert "[rank0] ERROR restart error: torchrun restarted the workers (restart 1 of 1)" in line
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line
+    assert "connectFullMesh" not in log and "received: stopping" not in log, log[-4000:]
+    print(f"restarted workers stopped: torchrun gone {ended:.1f} s after the kill")
 
 
 # ---- Stop signals, restarts and a dying launcher under launch/torchrun.sh --------------------
