@@ -43,7 +43,7 @@ from configs import ConfigError, HelpRequested, config_to_toml, parse_config
 from data.documents import MicroBatch, micro_batch
 from data.loader import DataSource, build_dataloader
 from data.stream import SourceMeter
-from data.tasks import Task, task_batches, task_scores
+from data.tasks import Task, task_batches, task_scores, task_warnings
 from launch.check import Plan, check_config, dry_run, unintended_settings
 from launch.elastic import (
     NODE_LOST_EXIT,
@@ -807,7 +807,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = check_config(job, env)
         if env.rank == 0:
             store = shared_store_warning(os.environ)
-            for warning in unintended_settings(job) + ([store] if store else []):
+            warnings = unintended_settings(job) + task_warnings(plan.tasks)
+            for warning in warnings + ([store] if store else []):
                 logger.warning("%s", warning)
         if job.dry_run:
             if env.rank == 0:
