@@ -155,8 +155,16 @@ def signalled_run(argv: list[str], signame: str, at_step: int, when: str) -> tup
     ("signame", "at_step", "when", "line"),
     [
         ("SIGQUIT", 4, "compute", "SIGQUIT received: stopping after step 4"),
-        ("SIGHUP", 4, "update", "SIGHUP received: stopping after step 5"),
-        ("SIGTERM", 6, "update", "SIGTERM received: stopping after step 6 (the last)"),
+        pytest.param(
+            "SIGHUP", 4, "update", "SIGHUP received: stopping after step 5", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            "SIGTERM",
+            6,
+            "update",
+            "SIGTERM received: stopping after step 6 (the last)",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_a_signal_stops_after_the_step_its_line_names(
