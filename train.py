@@ -43,9 +43,16 @@ from configs import ConfigError, HelpRequested, config_to_toml, parse_config
 from data.documents import MicroBatch, micro_batch
 from data.loader import DataSource, build_dataloader
 from data.stream import SourceMeter
-from data.tasks import Task, task_batches, task_scores
+from data.tasks import Task, task_batches, task_scores, task_warnings
 from launch.check import Plan, check_config, dry_run, unintended_settings
-from launch.elastic import NODE_LOST_EXIT, Mesh, NodeLost, restart_line
+from launch.elastic import (
+    NODE_LOST_EXIT,
+    Mesh,
+    NodeLost,
+    restart_line,
+    shared_store_problem,
+    shared_store_warning,
+)
 from launch.health import (
     Heartbeat,
     StragglerMeter,
@@ -170,6 +177,11 @@ class CollectiveFailure(RuntimeError):
     """A collective timed out or lost a peer; the message is the rank's one line about it."""
 
 
+class LaunchError(RuntimeError):
+    """This node's launch cannot work (its network interface, torchrun's restart store): the
+    message is the line each node says once, before any process group exists."""
+
+
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed (not averaged) cross-entropy, in float32 for a stable log-softmax."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
@@ -233,10 +245,13 @@ def train(
         heartbeat.stop(ended)
         lock.release()
         dist.destroy_process_group()
-        # The model, optimizer and checkpointer form reference cycles that still hold the
-        # gloo/NCCL groups; left to the interpreter's shutdown, their C++ worker threads are
-        # torn down after Python is half gone, and a rank now and then aborted there
-        # ("terminate called without an active exception", exit -6) after a clean run.
+        # The model, optimizer and checkpointer form reference cycles: freed now, while the
+        # interpreter is whole. This does not end the process groups' C++ threads: once a
+        # DTensor has run, torch keeps the groups alive past destroy_process_group (2-rank
+        # run: all 4 gloo groups' threads, and rank 0's store server, still there after it,
+        # with or without this collect), and they meet the interpreter's shutdown. A rank
+        # once aborted at exit after a clean run ("terminate called without an active
+        # exception", -6, ~1 in 600); not reproduced under stress (BENCHMARKS.md).
         gc.collect()
     if lost is not None:  # raised only now: a traceback through _train would keep it all alive
         raise lost
@@ -453,7 +468,7 @@ def setup(
 
 
 def train_step(
-    run: Run, micro_batches: list[MicroBatch], stop: bool, log: bool, node_lost: bool = False
+    run: Run, micro_batches: list[MicroBatch], log: bool, stop: StopRequest
 ) -> StepResult:
     """One optimizer step over the step's micro-batches: the loss normalized by the step's
     target tokens over all ranks, gradients accumulated and clipped, one all-reduce for the
@@ -481,14 +496,16 @@ def train_step(
     grad_norm = clip_grad_norm(model, t.max_grad_norm, run.pipeline)
     # The stop flags (asked to stop; a launcher died) and the model's statistics ride on the
     # loss all-reduce: every rank stops after the same step, also one that the signal did not
-    # reach, with no extra collective.
-    flags = torch.tensor([float(stop), float(node_lost)], device=loss_sum.device)
+    # reach, with no extra collective. Read now, not when the step began: a signal during this
+    # step's forward or backward stops the run after this step, as its line says.
+    flags = torch.tensor(stop.read(), dtype=torch.float32, device=loss_sum.device)
     summed = torch.cat([loss_sum.view(1), flags,
                         stats if stats is not None else loss_sum.new_zeros(0)])  # fmt: skip
     dist.all_reduce(summed)
     # One device-to-host copy for the four values every rank needs now.
     needed = torch.cat([summed[:3], grad_norm.view(1)]).tolist()
     loss_value, stop_value, lost_value, norm_value = needed
+    stop.decided(step, stop_value > 0)
     if math.isfinite(loss_value) and math.isfinite(norm_value):
         run.optimizer.step()
         run.skipped_in_a_row = 0
@@ -606,6 +623,7 @@ def loop(
     timer, end = Timer(run.device), LoopEnd()
     stragglers = StragglerMeter(job.health, run.device, run.env.rank, run.env.world_size)
     beat = run.heartbeat.beat
+    stop.start(progress.step + 1, t.steps)  # a signal's line names the step it stops after
     for step in range(progress.step + 1, t.steps + 1):
         beat(step, "data")
         # All micro-batches up front: their target count fixes the loss normalization.
@@ -614,7 +632,7 @@ def loop(
         log = step % job.metrics.log_interval == 0 or step == t.steps
         # One step (by default none) under torch.profiler: see metrics.profile_step.
         with profile_step(job.metrics, step, run_dir, run.env.rank):
-            result = train_step(run, micro_batches, stop.requested, log, stop.launcher_lost)
+            result = train_step(run, micro_batches, log, stop)
         end.losses.append(result.loss)
         progress.step = step
         progress.samples_seen += t.global_batch_size
@@ -728,21 +746,31 @@ def task_logliks(run: Run, task: Task) -> torch.Tensor:
 def clip_grad_norm(
     model: torch.nn.Module, max_norm: float, pipeline: Pipeline | None = None
 ) -> torch.Tensor:
-    """Clip by the true global norm: the norm of DTensor gradients reduces over all shards
-    (and is the same on every replica), unlike a norm of the local shard. Frozen parameters
-    have no gradient: the norm is over the trainable ones. Gradients on different meshes (the
-    experts under expert parallel) are reduced per mesh, then combined; under pipeline
-    parallel, over every stage."""
+    """Clip by the true global norm (float64): the norm of DTensor gradients reduces over all
+    shards (and is the same on every replica), unlike a norm of the local shard. Frozen
+    parameters have no gradient: the norm is over the trainable ones. Gradients on different
+    meshes (the experts under expert parallel) are reduced per mesh, then combined; under
+    pipeline parallel, over every stage."""
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
     by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
         by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     norms = []
-    for group in list(by_mesh.values()) or [[]]:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+    for group in by_mesh.values():
+        # Each gradient's norm in float64 (its values cast: a temporary copy of one gradient
+        # at a time). get_total_norm has no dtype, and _foreach_norm's fused CUDA kernel sums
+        # float32 inputs in float32 whatever its dtype. Summed in float32, the norm depended on
+        # the mesh: one sum over a whole gradient against several partial ones (1.4e-5
+        # relative between 1 and 4 ranks, the debug model's step 1); in float64 the sums'
+        # own error is ~1e-15.
+        per_grad = [torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in group]
+        norm = torch.linalg.vector_norm(torch.stack(per_grad))
         # A DTensor: materialize the reduced value.
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if norms:
+        norm = torch.linalg.vector_norm(torch.stack(norms))
+    else:  # a pipeline stage (or a model) with nothing to train
+        norm = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
     norm = pipeline.total_norm(norm) if pipeline is not None else norm
     if max_norm > 0:
         for group in by_mesh.values():  # one foreach kernel per mesh, as for the norm
@@ -825,12 +853,16 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(env.rank)
     exit_with_launcher()  # a rank never outlives its torchrun agent
     stop = StopRequest()
-    stop.install()  # SIGTERM/SIGINT/SIGUSR1: finish the step, save, exit 0
+    stop.install()  # SIGTERM, SIGINT, SIGUSR1, SIGHUP, SIGQUIT: finish the step, save, exit 0
     try:
+        if problem := shared_store_problem(os.environ):  # plain torchrun, restarted: it would hang
+            raise LaunchError(f"restart error: {problem}")
         job = parse_config(JobConfig, sys.argv[1:] if argv is None else argv)
         plan = check_config(job, env)
         if env.rank == 0:
-            for warning in unintended_settings(job):
+            store = shared_store_warning(os.environ)
+            warnings = unintended_settings(job) + task_warnings(plan.tasks)
+            for warning in warnings + ([store] if store else []):
                 logger.warning("%s", warning)
         if job.dry_run:
             if env.rank == 0:
@@ -838,9 +870,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if launched_by_torchrun() and (problem := network_problem(dict(os.environ))):
             # Under a plain torchrun nothing checked this yet (the launch scripts do): gloo and
-            # NCCL would fail inside init_process_group, with a traceback from every rank. Each
-            # node says it once, since another node's interfaces may differ from rank 0's.
-            return report(env, f"network error: {problem}", 2, everywhere=env.local_rank == 0)
+            # NCCL would fail inside init_process_group, with a traceback from every rank.
+            raise LaunchError(f"network error: {problem}")
         train(job, plan, env, stop)
     except HelpRequested as help_request:
         if env.rank == 0:
@@ -848,6 +879,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ConfigError as err:
         return report(env, f"config error: {err}", 2)
+    except LaunchError as err:  # each node once: another node's may differ from rank 0's
+        return report(env, str(err), 2, everywhere=env.local_rank == 0)
     except (NonFiniteError, CheckpointError) as err:  # one line each, e.g. a full disk
         return report(env, str(err), 1)
     except NodeLost as err:  # one line per node left: each agent restarts its own workers

@@ -31,6 +31,7 @@ from checkpoint.layout import (
     CheckpointConfig,
     checkpoint_folder,
     complete_checkpoints,
+    existing_ancestor,
     is_complete,
     latest_complete,
 )
@@ -71,18 +72,19 @@ def check_resume(
     positions_per_micro_step: int,
     *,
     is_rank0: bool,
-    create_folder: bool,
+    check_writable: bool,
 ) -> ResumePoint | None:
     """Find the checkpoint to resume from and check it fits this run; ConfigError if not.
 
-    Only reads files (and, with create_folder and saving on, creates the checkpoint folder):
-    every rank runs it on the same inputs before any collective, so all fail alike.
+    Only reads files (and, with check_writable and saving on, checks that the checkpoint folder
+    can be written, creating nothing): every rank runs it on the same inputs before any
+    collective, so all fail alike.
     `model_shapes`: parameter FQN -> shape of this run's model (built on meta).
     `positions_per_micro_step`: dp_size * micro_batch_size, which must divide the checkpoint's
     data position for the loader to continue the global stream exactly.
     """
     folder = checkpoint_folder(cfg, run_dir)
-    if cfg.interval > 0 and create_folder:
+    if cfg.interval > 0 and check_writable:
         _check_writable(folder)
     if cfg.resume == "none":
         return None
@@ -174,10 +176,12 @@ def _resume_point(
 
 
 def _check_writable(folder: Path) -> None:
-    """Fail now, not at the first save hours later."""
+    """Fail now, not at the first save hours later. Creates nothing: the folder, or where it
+    would be created, takes a probe file and loses it again. A later error (a damaged explicit
+    resume, a network error) then leaves no empty folder behind; the first save makes it."""
+    where = existing_ancestor(folder)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"  # per process: ranks probe concurrently
+        probe = where / f".write-test-{os.getpid()}"  # per process: ranks probe concurrently
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:

@@ -89,6 +89,10 @@ class Task:
     """The right choice of each example (0 for a completion)."""
     choice_bytes: tuple[int, ...]
     """UTF-8 bytes of each request's continuation as written: acc_norm's divisor."""
+    identical: tuple[int, ...] = ()
+    """The file's lines whose examples have two or more choices, all the same."""
+    path: str = ""
+    """The task file, for the lines that name it."""
 
 
 def dataset_tokenizer(index: DatasetIndex) -> Tokenizer:
@@ -133,38 +137,92 @@ def load_tasks(cfg: EvalConfig, index: DatasetIndex, seq_len: int) -> tuple[Task
 
 def load_task(name: str, cfg: TaskConfig, tokenizer: Tokenizer, eos_id: int, seq_len: int) -> Task:
     """ConfigError naming the file and line for anything that cannot be scored: a missing
-    file, a line that is not an example of `cfg.kind`, a gold index out of range, an empty
-    choice list or continuation, a context and continuation longer than a sequence."""
+    file, a line that is not UTF-8 or not an example of `cfg.kind`, a gold index out of range,
+    an empty choice list, an empty continuation, a context and continuation longer than a
+    sequence."""
     key, path = f"eval.tasks.{name}", Path(cfg.path)
     if not path.is_file():
         raise ConfigError(f"{key}.path: no task file '{path}' (the debug task: {MAKE_HINT})")
     requests: list[Request] = []
-    choices, gold, choice_bytes = [], [], []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    choices, gold, choice_bytes, identical = [], [], [], []
+    with path.open("rb") as lines:  # decoded line by line: an error names its line
+        for number, raw in enumerate(lines, start=1):
             if cfg.limit and len(gold) == cfg.limit:
                 break
+            where = f"{key}: '{path}' line {number}"
+            line = _decode(raw, where)
             if not line.strip():
                 continue
-            where = f"{key}: '{path}' line {number}"
             context, continuations, answer = _example(line, cfg.kind, where)
             for i, continuation in enumerate(continuations):
-                request = encode_request(tokenizer, eos_id, context, continuation)
                 what = "target" if cfg.kind == "completion" else f"choice {i}"
-                if request.n_scored == 0:
-                    raise ConfigError(f"{where}: {what} is empty: nothing to score")
-                if len(request.tokens) > seq_len + 1:
-                    raise ConfigError(
-                        f"{where}: EOS + context + {what} are {len(request.tokens)} tokens, "
-                        f"more than data.seq_len + 1 = {seq_len + 1}: shorten the context"
-                    )
-                requests.append(request)
+                requests.append(_request(tokenizer, eos_id, seq_len, context, continuation, what,
+                                         where))  # fmt: skip
                 choice_bytes.append(len(continuation.encode("utf-8")))
             choices.append(len(continuations))
             gold.append(answer)
+            if len(continuations) > 1 and len(set(continuations)) == 1:
+                identical.append(number)
     if not gold:
         raise ConfigError(f"{key}: '{path}' holds no examples")
-    return Task(name, cfg.kind, tuple(requests), tuple(choices), tuple(gold), tuple(choice_bytes))
+    return Task(name, cfg.kind, tuple(requests), tuple(choices), tuple(gold), tuple(choice_bytes),
+                tuple(identical), str(path))  # fmt: skip
+
+
+def _decode(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{where}: not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}): a "
+            "task file is UTF-8 text; convert it, e.g. with iconv -t UTF-8"
+        ) from None
+
+
+def _request(
+    tokenizer: Tokenizer,
+    eos_id: int,
+    seq_len: int,
+    context: str,
+    continuation: str,
+    what: str,
+    where: str,
+) -> Request:
+    """The request of one continuation, or ConfigError: empty as written (whatever the context
+    ends with: acc_norm divides by its bytes, and a score of no text says nothing), no token
+    of its own, or longer than a sequence."""
+    if not continuation:
+        raise ConfigError(f"{where}: {what} is empty: nothing to score")
+    request = encode_request(tokenizer, eos_id, context, continuation)
+    if request.n_scored == 0:  # a tokenizer merged it into the context's last token
+        raise ConfigError(f"{where}: {what} adds no token to the context's: nothing to score")
+    if len(request.tokens) > seq_len + 1:
+        raise ConfigError(
+            f"{where}: EOS + context + {what} are {len(request.tokens)} tokens, more than "
+            f"data.seq_len + 1 = {seq_len + 1}: shorten the context"
+        )
+    return request
+
+
+def task_warnings(tasks: tuple[Task, ...]) -> list[str]:
+    """Valid examples that measure nothing, one warning per task: all of an example's choices
+    identical score as right exactly when gold is 0 (ties go to the first choice)."""
+    warnings = []
+    for task in tasks:
+        if not task.identical:
+            continue
+        lines = ", ".join(map(str, task.identical[:5])) + (", ..." * (len(task.identical) > 5))
+        share = (
+            "every example has"
+            if len(task.identical) == len(task.gold)
+            else f"{len(task.identical)} of {len(task.gold)} examples (lines {lines}) have"
+        )
+        warnings.append(
+            f"eval.tasks.{task.name}: '{task.path}': {share} identical choices, scored right "
+            "exactly when gold is 0 (ties go to the first choice): their acc and acc_norm "
+            "measure the file, not the model"
+        )
+    return warnings
 
 
 def _example(line: str, kind: TaskKind, where: str) -> tuple[str, list[str], int]:

@@ -106,8 +106,9 @@ class Plan:
 
 
 def check_tasks(job: JobConfig, sources: tuple) -> tuple:
-    """The eval.tasks read and tokenized (none without data, or without evaluation); a task
-    file that is missing or malformed is a ConfigError naming its file and line."""
+    """The eval.tasks read and tokenized (none without data, or without evaluation: then
+    unintended_settings says that they are not scored, nor their files read); a task file that
+    is missing or malformed is a ConfigError naming its file and line."""
     task_files = [Path(task.path) for task in job.eval.tasks.values()]
     # As for the data: a dry run may plan for task files that are not here (yet).
     skip = job.dry_run and not all(file.exists() for file in task_files)
@@ -168,7 +169,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
             shapes,
             positions_per_micro_step=t.micro_batch_size * dp,
             is_rank0=env.rank == 0,
-            create_folder=not job.dry_run,
+            check_writable=not job.dry_run,
         )
     except ModelMismatch as misfit:
         raise explain_misfit(job, misfit) from None
@@ -289,6 +290,14 @@ def unintended_settings(job: JobConfig) -> list[str]:
         warnings.append(f"{settings} {verb} no effect with optim.name={job.optim.name!r}")
     if job.compile.moe_regions and not job.compile.enabled:
         warnings.append("compile.moe_regions=True has no effect with compile.enabled=false")
+    # Not an error: turning evaluation off for one run (--train.eval_interval=0) keeps the
+    # config's tasks, whose files may not be there; but a broken one goes unnoticed until then.
+    if job.eval.tasks and job.train.eval_interval <= 0:
+        names = ", ".join(sorted(job.eval.tasks))
+        warnings.append(
+            f"eval.tasks ({names}) will not be scored with train.eval_interval=0, and their "
+            "files are not read (nor checked): set train.eval_interval to score them"
+        )
     if not job.fp8.enabled and (unused := changed_fields(job.fp8, Float8Config())):
         settings = ", ".join(f"fp8.{name}={value!r}" for name, value in unused.items())
         verb = "has" if len(unused) == 1 else "have"

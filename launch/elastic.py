@@ -19,6 +19,7 @@ entry, checkpoint/state.py), which is how a resumed run knows the world it came 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,45 @@ def saved_mesh(job: JobConfig) -> Mesh | None:
 def restarted() -> bool:
     """torchrun restarted this worker group (--max-restarts) at least once."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+
+
+# What a plain torchrun lacks for a restart to work (the launch scripts export it).
+FRESH_STORE = (
+    "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun (launch/torchrun.sh, "
+    "multinode.sh and hsdp.sbatch do), so that each restart gets a fresh store"
+)
+
+
+def shared_store_problem(environ: Mapping[str, str]) -> str | None:
+    """The one line for a worker that torchrun restarted on the rendezvous store of its first
+    start (TORCHELASTIC_USE_AGENT_STORE, torchrun's default): the store still holds the first
+    start's keys, so the new process group reads the addresses of ranks that are gone and
+    waits for them (gloo's connectFullMesh fails after its retries; after a lost node, the
+    ranks wait out parallel.timeout_s, 600 s by default), without a line of the trainer's.
+    None for a first start, or a fresh store."""
+    restart = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart == 0:
+        return None
+    return (
+        f"torchrun restarted the workers (restart {restart} of "
+        f"{environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}) on the rendezvous store of their "
+        "first start, whose stale keys would have the new process group wait for ranks that "
+        f"are gone; stopping instead: {FRESH_STORE}, then run the same command again (it "
+        "resumes from the newest checkpoint)"
+    )
+
+
+def shared_store_warning(environ: Mapping[str, str]) -> str | None:
+    """At a first start under torchrun with --max-restarts > 0 and the shared store: a
+    restart would stop (`shared_store_problem`); one warning line, said before it matters."""
+    restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    restart = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restarts == 0 or restart > 0:
+        return None
+    return (
+        f"torchrun --max-restarts={restarts} shares its rendezvous store with the workers: a "
+        f"restart would stop with one line instead of training on; {FRESH_STORE}"
+    )
 
 
 def mesh_for_world(job: JobConfig, family: ModelFamily, args: Any, env: LaunchEnv) -> Mesh:

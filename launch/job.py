@@ -97,7 +97,7 @@ class TrainConfig:
     micro_batch_size: int = 8
     """Sequences per rank per forward/backward; gradient accumulation makes up the rest."""
     max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this (0 = no clipping; the norm is still logged)."""
+    """Clip the global gradient norm (float64) to this (0 = no clipping; it is still logged)."""
     seed: int = 0
     """Seeds weights and data order: the same seed gives the same run on any mesh."""
     on_nonfinite: Literal["error", "skip"] = "error"

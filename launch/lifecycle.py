@@ -30,17 +30,25 @@ def setup_logging(rank: int) -> None:
 
 # SIGTERM: preemption, scancel, Kubernetes, torchrun forwarding its own stop. SIGINT: Ctrl-C.
 # SIGUSR1: Slurm's warning ahead of the time limit (--signal=USR1@120), forwarded by the launcher.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# SIGHUP: the terminal closed or the ssh connection dropped. SIGQUIT: Ctrl-\. Every signal a
+# launcher forwards (torchrun's default list, plus SIGUSR1: PET_SIGNALS_TO_HANDLE in launch/*.sh
+# and hsdp.sbatch) is here: one that is not would kill the ranks mid-step, unsaved.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
 
 
 class StopRequest:
     """Turns a stop signal into "finish this step, save a checkpoint, exit 0".
 
-    The handler only records the signal; the training loop reads it after its step, and every
-    rank agrees on the same step because the flag rides on the step's loss all-reduce (a rank
-    the signal missed stops with the others). One event can deliver the signal twice (Slurm
-    signals every process of the job, and torchrun forwards its copy), so a repeat is not
-    "hurry up"; the third signal exits at once, for a user who really means it.
+    The handler only records the signal; every rank agrees on the step to stop after because the
+    flag rides on the step's loss all-reduce (a rank the signal missed stops with the others).
+    The step reads the flag just before that all-reduce (`read`): a signal during a step's
+    forward or backward stops the run after that step; one during what follows the all-reduce
+    (the update, a log line, an evaluation, a save, the next batch) after the next step. The
+    signal's line names that step. One that arrives while the rank waits in the all-reduce, its
+    own flag already read, is said once the result is known (`decided`): another rank's flag
+    may stop this very step. One event can deliver the signal twice (Slurm signals every
+    process of the job, and torchrun forwards its copy), so a repeat is not "hurry up"; the
+    third signal exits at once, for a user who really means it.
 
     A SIGTERM because this rank's launcher died (`launcher_lost`) is not a request: its node is
     lost. The ranks still save the step in flight, then exit non-zero (train.py) so that
@@ -49,8 +57,14 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        self.step: int | None = None
+        """The step a stop requested now ends the run after (None: the first step to run)."""
+        self.last_step: int | None = None
+        """The run's last step (train.steps), once the loop has started."""
         self._count = 0
         self._launcher = os.getppid() if launched_by_torchrun() else None
+        self._deciding = False
+        self._unsaid = False
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
@@ -58,17 +72,44 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: object) -> None:
         self._count += 1
-        name = signal.Signals(signum).name
         if self._count >= 3:
             raise SystemExit(128 + signum)
         if self.signal_name is None:
-            self.signal_name = name
+            self.signal_name = signal.Signals(signum).name
             # A rank handling an error is ending already (say, waiting for rank 0 to report it
-            # when torchrun stops the ranks): "stopping after the current step" would be false,
-            # and would follow the reason as the run's last line. The request still counts.
-            if sys.exc_info()[1] is None:
-                why = ": its launcher died" if self.launcher_lost else ""
-                logger.warning("%s received%s: stopping after the current step", name, why)
+            # when torchrun stops the ranks): "stopping after step N" would be false, and would
+            # follow the reason as the run's last line. The request still counts.
+            self._unsaid = sys.exc_info()[1] is None
+            if not self._deciding:
+                self._say()
+
+    def _say(self) -> None:
+        if not self._unsaid:
+            return
+        self._unsaid = False
+        why = ": its launcher died" if self.launcher_lost else ""
+        if self.step is None:
+            after = "the first step"
+        else:
+            after = f"step {self.step}" + (" (the last)" if self.step == self.last_step else "")
+        logger.warning("%s received%s: stopping after %s", self.signal_name, why, after)
+
+    def start(self, first_step: int, last_step: int) -> None:
+        """The loop begins at `first_step`: a request stops the run after it (or the last)."""
+        self.step, self.last_step = min(first_step, last_step), last_step
+
+    def read(self) -> tuple[bool, bool]:
+        """(asked to stop, launcher lost) for the step's all-reduce. Until `decided`, a new
+        signal's line waits for the all-reduce's answer."""
+        self._deciding = True
+        return self.requested, self.launcher_lost
+
+    def decided(self, step: int, stopping: bool) -> None:
+        """The all-reduce of `step` is done: the run stops after it, or a request from now on
+        stops it after the next step."""
+        self.step = step if stopping else min(step + 1, self.last_step or step + 1)
+        self._deciding = False
+        self._say()
 
     @property
     def requested(self) -> bool:

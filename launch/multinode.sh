@@ -29,8 +29,8 @@
 #                  30; torch >= 2.12 reads it, 2.11 always gives 30)
 # A config error (or missing data, a wrong *_SOCKET_IFNAME...) ends every node at once with one
 # line and exit status 2, before torchrun starts: it is not retried.
-# Stop: SIGTERM, SIGINT or SIGUSR1 to this script on every node (it becomes torchrun) makes the
-# ranks finish their step, save a checkpoint and exit.
+# Stop: SIGTERM, SIGINT, SIGUSR1, SIGHUP or SIGQUIT to this script on every node (it becomes
+# torchrun) makes the ranks finish their step, save a checkpoint and exit.
 set -euo pipefail
 # No cd: relative paths (the config, data.path, run.output_dir) are the user's, from where the
 # script is started. The trainer is found by its path; -P keeps a folder of that name in the

@@ -14,9 +14,10 @@
 #   FAILURE_GRACE_S seconds the other ranks get to exit after one failed (a hang's timeout, a
 #                  crash) before SIGKILL (default 5; torchrun alone waits 30, and so does
 #                  torch 2.11): a frozen rank never exits by itself (launch/agent.py)
-# Stop: SIGTERM, SIGINT or SIGUSR1 to this script (it becomes torchrun's agent) makes the ranks
-# finish their step, save a checkpoint and exit 0; the script then exits 128 + the signal's
-# number (143 for SIGTERM, 130 SIGINT, 138 SIGUSR1): stopped, neither finished (0) nor failed.
+# Stop: SIGTERM, SIGINT, SIGUSR1, SIGHUP (the terminal closed) or SIGQUIT to this script (it
+# becomes torchrun's agent) makes the ranks finish their step, save a checkpoint and exit 0; the
+# script then exits 128 + the signal's number (143 for SIGTERM, 130 SIGINT, 138 SIGUSR1, 129
+# SIGHUP, 131 SIGQUIT): stopped, neither finished (0) nor failed.
 # A rank that stops the run itself (non-finite loss, disk full) ends it with its own line and
 # exit status (1; 2 for a config error), with no torchrun report after it.
 set -euo pipefail

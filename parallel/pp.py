@@ -216,10 +216,11 @@ class Pipeline:
 
     def total_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The gradient norm over every stage, from this rank's stages' `norm` (the same on
-        every rank of a stage): the square root of the sum of the stages' squares."""
-        squared = norm.float() ** 2
+        every rank of a stage): the square root of the sum of the stages' squares, in float64
+        as each stage's own (train.py's clip_grad_norm)."""
+        squared = norm.double() ** 2
         dist.all_reduce(squared, group=self.group)
-        return squared.sqrt().to(norm.dtype)
+        return squared.sqrt()
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]

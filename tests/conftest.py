@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +37,52 @@ def zoo_family() -> Iterator[str]:
 
     with zoo.registered():
         yield zoo.NAME
+
+
+# The checkout's outputs/ is the user's (the quick start's run, data, checkpoints): a test that
+# reads it fails after the quick start (it resumes outputs/debug), one that writes it damages it.
+# Every test gets its own run folder (--run.output_dir=tmp_path); the session fails when
+# anything under outputs/ changed. .ci/run runs the suite after the quick start, for the reads.
+CHECKOUT_OUTPUTS = Path(__file__).resolve().parents[1] / "outputs"
+OUTPUTS_BEFORE = pytest.StashKey[set]()
+
+
+def outputs_state() -> set[tuple[str, int, int]]:
+    """Every path under the checkout's outputs/, with its size and modification time."""
+    state = set()
+    for folder, dirs, files in os.walk(CHECKOUT_OUTPUTS):
+        for name in dirs + files:
+            path = Path(folder) / name
+            try:
+                stat = path.lstat()
+            except FileNotFoundError:
+                continue
+            state.add((str(path.relative_to(CHECKOUT_OUTPUTS)), stat.st_size, stat.st_mtime_ns))
+    return state
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller: once per run
+        session.config.stash[OUTPUTS_BEFORE] = outputs_state()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    before = session.config.stash.get(OUTPUTS_BEFORE, None)
+    if before is None:
+        return
+    changed = sorted({entry[0] for entry in before ^ outputs_state()})
+    if changed:
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        reporter.ensure_newline()
+        reporter.write_line(
+            f"the tests changed the checkout's outputs/ ({', '.join(changed[:5])}{more}): a test "
+            "must write to its own run folder (--run.output_dir=tmp_path), or another process "
+            "wrote there meanwhile",
+            red=True,
+        )  # fmt: skip
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def write_corpus(root: Path, n_docs: int = 40, words_per_doc: int = 400, seed: int = 0) -> Path:

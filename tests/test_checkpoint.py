@@ -599,7 +599,8 @@ def test_damaged_explicit_checkpoint_is_one_config_error(
     file, damage = DAMAGE[kind]
     damage(damaged / file)
 
-    args = argv(tiny_dataset, out, f"explicit-{kind}-run", "--train.steps=9")
+    args = argv(tiny_dataset, out, f"explicit-{kind}-run", "--train.steps=9",
+                "--checkpoint.interval=3")  # fmt: skip
     if kind in ("flipped-byte", "truncated-distcp"):  # after and before the process group
         result = train_py([*args, f"--checkpoint.resume={damaged}"])
         assert result.returncode == 2, result.stderr[-3000:]
@@ -613,6 +614,11 @@ def test_damaged_explicit_checkpoint_is_one_config_error(
     assert launch_check(["--world-size=2", *args, f"--checkpoint.resume={damaged}"]) == 2
     [error] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert error.startswith(f"config error: checkpoint.resume: {damaged / file} "), error
+    # A refused start leaves no empty checkpoint folder (nor, refused before the ranks, a run
+    # folder): the first save creates it.
+    run = out / f"explicit-{kind}-run"
+    assert not (run / "checkpoints").exists()
+    assert run.exists() == (kind == "flipped-byte")  # found by the ranks, which log to it
 
 
 @pytest.mark.slow

@@ -267,7 +267,7 @@ def test_nonfinite_loss_stops_with_the_step_or_is_skipped(
     ],
 )
 def test_shipped_configs_resolve_on_their_intended_clusters(
-    tiny_dataset: str, config: str, nodes: int, per_node: int, mesh: str
+    tmp_path: Path, config: str, nodes: int, per_node: int, mesh: str
 ) -> None:
     world = nodes * per_node
     env = os.environ | {
@@ -275,9 +275,10 @@ def test_shipped_configs_resolve_on_their_intended_clusters(
     }  # fmt: skip
     result = subprocess.run(
         # The documented form (docs/configuration.md): a dry run needs no data, so the shipped
-        # data paths may be absent.
-        [sys.executable, "train.py", config, "--dry-run"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
+        # data paths may be absent. From a folder of its own: the checkout's outputs/ may hold a
+        # run of the same name, whose checkpoint the dry run would read.
+        [sys.executable, str(ROOT / "train.py"), str(ROOT / config), "--dry-run"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert mesh in result.stdout

@@ -145,8 +145,11 @@ MOE = ["--model.name=qwen3_moe", "--model.flavor=debug"]
         (4, [*MOE, "--parallel.ep=3", "--model.n_experts=6"], r"divide dp_shard x cp=4"),
     ],
 )
-def test_cp_config_errors(tiny_dataset: str, world: int, extra: list[str], message: str) -> None:
-    argv = [f"--data.path={tiny_dataset}", *TINY, "--parallel.cp=2", *extra]
+def test_cp_config_errors(
+    tiny_dataset: str, tmp_path: Path, world: int, extra: list[str], message: str
+) -> None:
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            "--parallel.cp=2", *extra]  # fmt: skip
     with pytest.raises(ConfigError, match=message):
         check_config(parse_config(JobConfig, argv), env(world))
 
@@ -154,11 +157,12 @@ def test_cp_config_errors(tiny_dataset: str, world: int, extra: list[str], messa
 @pytest.mark.parametrize(
     "extra", [["--fp8.enabled=true", "--fp8.emulate=true"], ["--compile.enabled=true"]]
 )
-def test_cp_takes_fp8_and_compile(tiny_dataset: str, extra: list[str]) -> None:
+def test_cp_takes_fp8_and_compile(tiny_dataset: str, tmp_path: Path, extra: list[str]) -> None:
     """float8 and compiled blocks pass the checks at cp 2 (their parity: below)."""
     if "--fp8.enabled=true" in extra:
         pytest.importorskip("torchao", reason="fp8 extra not installed: pip install '.[fp8]'")
-    argv = [f"--data.path={tiny_dataset}", *TINY, "--parallel.cp=2", *extra]
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            "--parallel.cp=2", *extra]  # fmt: skip
     assert check_config(parse_config(JobConfig, argv), env(2)).cp == 2
 
 

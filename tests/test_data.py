@@ -299,7 +299,8 @@ def test_token_ids_beyond_the_model_vocabulary_name_the_shard(
         check_token_ids(index, 512)
     # As the trainer opens it: check_config, on every rank before the process group.
     monkeypatch.undo()
-    job = parse_config(JobConfig, [f"--data.path={bad}", "--model.vocab_size=512"])
+    job = parse_config(JobConfig, [f"--data.path={bad}", "--model.vocab_size=512",
+                                   f"--run.output_dir={tmp_path}"])  # fmt: skip
     with pytest.raises(ConfigError, match=expected):
         check_config(job, LaunchEnv(0, 0, 1, 1, 1))
 

@@ -270,3 +270,25 @@ def test_a_node_that_joins_then_dies_whole(tiny_dataset: str, tmp_path: Path) ->
     assert (tmp_path / "debug" / "checkpoints" / f"step-{stopped.group(1)}" / "COMPLETE").exists()
     print(f"grew to world 4 at step {grew.group(1)}; node lost after step {last_before}, "
           f"resumed as world 2 from step {step}")  # fmt: skip
+
+
+def test_a_restart_on_the_shared_store_is_said_and_a_fresh_store_is_not() -> None:
+    """torchrun's defaults (TORCHELASTIC_USE_AGENT_STORE=True): a warning at the first start
+    when restarts are allowed, and one line for a restarted worker; with a fresh store per
+    restart (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: USE_AGENT_STORE=False) or no restarts,
+    nothing."""
+    from launch.elastic import shared_store_problem, shared_store_warning
+
+    first = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+             "TORCHELASTIC_MAX_RESTARTS": "3"}  # fmt: skip
+    again = first | {"TORCHELASTIC_RESTART_COUNT": "2"}
+    assert shared_store_problem(first) is None
+    assert "--max-restarts=3 shares its rendezvous store" in shared_store_warning(first)
+    problem = shared_store_problem(again)
+    assert problem.startswith("torchrun restarted the workers (restart 2 of 3) on the rendezvous")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in problem
+    for fresh in ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, {"TORCHELASTIC_MAX_RESTARTS": "0"}):
+        assert shared_store_warning(first | fresh) is None
+    assert shared_store_problem(again | {"TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    assert shared_store_warning(again) is None  # the restarted workers say the problem
+    assert shared_store_problem({}) is None and shared_store_warning({}) is None

@@ -372,6 +372,23 @@ def test_the_launchers_check_numbers_with_one_function() -> None:
     assert len({match[1] for match in copies.values()}) == 1
 
 
+def test_every_signal_a_launcher_forwards_stops_the_ranks_cleanly() -> None:
+    """Each launcher has torchrun forward PET_SIGNALS_TO_HANDLE to the ranks; plain torchrun
+    forwards its default list (TORCHELASTIC_SIGNALS_TO_HANDLE). A rank without a handler for
+    one of them dies mid-step on it, unsaved: every one is a stop signal of the ranks'."""
+    from torch.distributed.run import get_args_parser
+
+    from launch.lifecycle import STOP_SIGNALS
+
+    ours = {sig.name for sig in STOP_SIGNALS}
+    for script in ("torchrun.sh", "multinode.sh", "hsdp.sbatch"):
+        forwarded = re.search(r"PET_SIGNALS_TO_HANDLE:-([A-Z0-9,]+)\}", (ROOT / "launch" / script)
+                              .read_text())  # fmt: skip
+        assert forwarded and set(forwarded[1].split(",")) <= ours, (script, forwarded)
+    torchrun_default = get_args_parser().get_default("signals_to_handle")
+    assert set(torchrun_default.split(",")) <= ours, torchrun_default
+
+
 def test_hsdp_sbatch_outside_slurm_is_one_line(tmp_path: Path) -> None:
     """`bash launch/hsdp.sbatch` (no sbatch) has no job, no nodes and no srun: say so."""
     env = {k: v for k, v in ENV.items() if not k.startswith("SLURM_")}
@@ -388,7 +405,7 @@ def test_plain_torchrun_with_a_missing_interface_is_one_line_per_node(
 ) -> None:
     """Plain torchrun (no launch script checked the interface): train.py checks it before
     init_process_group, instead of every rank failing inside gloo."""
-    args = tiny_args(tiny_dataset, tmp_path, "--train.steps=2")
+    args = tiny_args(tiny_dataset, tmp_path, "--train.steps=2", "--checkpoint.interval=1")
     result = subprocess.run(
         [*TORCHRUN.split(), "--standalone", "--nproc-per-node=2", "train.py", *args], cwd=ROOT,
         env=ENV | {"GLOO_SOCKET_IFNAME": "nosuchif0"}, capture_output=True, text=True,
@@ -399,6 +416,49 @@ def test_plain_torchrun_with_a_missing_interface_is_one_line_per_node(
     lines = [line for line in log.splitlines() if "network error: GLOO_SOCKET_IFNAME" in line]
     assert len(lines) == 1 and "nosuchif0" in lines[0], log[-4000:]
     assert "[rank0]" in lines[0] and "gloo" not in log.lower().replace("gloo_socket", ""), log
+    assert "received: stopping" not in log, log  # torchrun stops rank 1 as it waits: no line
+    assert not (tmp_path / "debug").exists()  # no empty run or checkpoint folder left behind
+
+
+@pytest.mark.slow
+def test_plain_torchrun_restart_on_its_shared_store_stops_with_one_line(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Plain torchrun --max-restarts (without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) restarts
+    the workers on the rendezvous store of their first start: its stale keys had gloo dial the
+    dead ranks (connectFullMesh failed after 30 s with a traceback; after a lost node, the
+    ranks waited out parallel.timeout_s in silence). The first start warns; the restarted
+    workers stop within seconds with one line naming the fix."""
+    args = tiny_args(tiny_dataset, tmp_path, "--train.steps=400", "--checkpoint.interval=5",
+                     "--metrics.log_interval=5")  # fmt: skip
+    env = {k: v for k, v in ENV.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    cmd = [*TORCHRUN.split(), "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "train.py", *args]  # fmt: skip
+    log_file = tmp_path / "run.log"
+    with open(log_file, "w") as out:
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while "checkpoint step 5:" not in log_file.read_text():
+            assert time.monotonic() < deadline and agent.poll() is None, log_file.read_text()
+            time.sleep(0.2)
+        children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()
+        os.kill(int(children[-1]), signal.SIGKILL)
+        killed = time.monotonic()
+        assert agent.wait(timeout=90) != 0
+        ended = time.monotonic() - killed
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    log = log_file.read_text()
+    warning = "WARNING torchrun --max-restarts=1 shares its rendezvous store with the workers"
+    assert log.count(warning) == 1, log[-4000:]
+    [line] = [line for line in log.splitlines() if "restart error:" in line]
+    assert "[rank0] ERROR restart error: torchrun restarted the workers (restart 1 of 1)" in line
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line
+    assert "connectFullMesh" not in log and "received: stopping" not in log, log[-4000:]
+    print(f"restarted workers stopped: torchrun gone {ended:.1f} s after the kill")
 
 
 # ---- Stop signals, restarts and a dying launcher under launch/torchrun.sh --------------------
@@ -419,6 +479,37 @@ def stopped_and_saved(log: str, signame: str, ckpt: Path) -> int:
     return step
 
 
+def lines_name(log: str, signame: str, step: int, ranks: int = 2) -> None:
+    """Every rank said it would stop after `step`, the step it saved."""
+    said = re.findall(rf"\[rank(\d)\] WARNING {signame} received: stopping after step (\d+)", log)
+    assert sorted(said) == [(str(r), str(step)) for r in range(ranks)], log[-4000:]
+
+
+@pytest.mark.slow
+def test_torchrun_sh_sighup_saves_the_step_in_flight(
+    tiny_dataset: str, tmp_path: Path, launch
+) -> None:
+    """A terminal that closes or an ssh connection that drops (SIGHUP): torchrun forwards it to
+    the ranks, which stop after the step their line names, save it and exit 0; the launcher
+    exits 129. (SIGQUIT takes the same path: tests/test_operations.py sends it to a rank, and
+    test_every_signal_a_launcher_forwards_stops_the_ranks_cleanly holds the lists equal.)"""
+    signame = "SIGHUP"
+    run = launch.single(tmp_path / "run.log", tiny_args(tiny_dataset, tmp_path, *LONG_RUN))
+    run.wait_for(r"step 5/\d+  loss", timeout=90)
+    ranks = run.worker_pids()
+    start, sig = time.monotonic(), getattr(signal, signame)
+    os.kill(run.procs[0].pid, sig)
+    assert run.wait(timeout=60) == [128 + sig], run.text()[-4000:]
+    gone = time.monotonic() - start
+    assert not any(alive(pid) for pid in ranks.values())
+    log = run.text()
+    step = stopped_and_saved(log, signame, tmp_path / "debug" / "checkpoints")
+    lines_name(log, signame, step)
+    assert STOP_LINE.format(name=signame, status=128 + sig) in log
+    assert "Traceback" not in log, log[-4000:]
+    print(f"{signame}: saved step {step}, torchrun and ranks gone {gone:.1f} s after the signal")
+
+
 @pytest.mark.slow
 def test_torchrun_sh_sigterm_saves_and_the_next_launch_resumes_there(
     tiny_dataset: str, tmp_path: Path, launch
@@ -435,6 +526,7 @@ def test_torchrun_sh_sigterm_saves_and_the_next_launch_resumes_there(
     gone = time.monotonic() - start
     assert not any(alive(pid) for pid in ranks.values())
     step = stopped_and_saved(run.text(), "SIGTERM", tmp_path / "debug" / "checkpoints")
+    lines_name(run.text(), "SIGTERM", step)
     assert STOP_LINE.format(name="SIGTERM", status=143) in run.text()
     assert "Traceback" not in run.text() and "SignalException" not in run.text()
 
@@ -622,7 +714,33 @@ def test_a_stop_signal_to_a_rank_already_ending_on_an_error_says_nothing(
             fresh = StopRequest()
             fresh.install()
             os.kill(os.getpid(), signal.SIGTERM)
-            assert "SIGTERM received: stopping after the current step" in caplog.text
+            assert "SIGTERM received: stopping after the first step" in caplog.text
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_a_signal_while_the_step_decides_is_said_with_the_decision(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A signal that arrives while the rank waits in the step's all-reduce, its own flag read
+    as False: another rank's flag may still stop this step, so the line waits for the answer
+    and names the step the run really stops after (never one step too late)."""
+    from launch.lifecycle import STOP_SIGNALS, StopRequest
+
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        with caplog.at_level(logging.WARNING):
+            for stopping, said in [(True, "step 6"), (False, "step 7")]:
+                caplog.clear()
+                stop = StopRequest()
+                stop.install()
+                stop.start(1, 10)
+                assert stop.read() == (False, False)
+                os.kill(os.getpid(), signal.SIGQUIT)  # inside the all-reduce: not said yet
+                assert stop.requested and caplog.text == ""
+                stop.decided(6, stopping=stopping)  # another rank's flag, or none
+                assert caplog.messages == [f"SIGQUIT received: stopping after {said}"]
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

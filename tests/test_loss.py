@@ -144,7 +144,7 @@ def test_a_forward_that_changes_the_logits_after_the_output_layer_is_refused_wit
     ids=["reshard-always", "negative"],
 )
 def test_chunked_loss_config_errors(
-    tiny_dataset: str, extra: list[str], world: int, message: str
+    tiny_dataset: str, tmp_path: Path, extra: list[str], world: int, message: str
 ) -> None:
     from configs import parse_config
     from launch.check import check_config
@@ -152,7 +152,8 @@ def test_chunked_loss_config_errors(
     from parallel.dims import LaunchEnv
     from tests.test_train import TINY
 
-    argv = [f"--data.path={tiny_dataset}", *TINY, "--train.loss_chunk_tokens=16",
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            "--train.loss_chunk_tokens=16",
             "--train.micro_batch_size=4", *extra]  # fmt: skip
     with pytest.raises(ConfigError, match=message) as err:
         check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, world, world, 1))

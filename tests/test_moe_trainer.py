@@ -203,10 +203,11 @@ ROOT = Path(__file__).resolve().parents[1]
     ],
 )  # fmt: skip
 def test_shipped_configs_resolve_on_their_intended_clusters(
-    config: str, nodes: int, per_node: int, mesh: str
+    tmp_path: Path, config: str, nodes: int, per_node: int, mesh: str
 ) -> None:
     """`train.py <config> --dry-run` (no data needed) plans the mesh its comment names, and
-    30B-A3B the memory its comment quotes from the planner."""
+    30B-A3B the memory its comment quotes from the planner. From a folder of its own: the
+    checkout's outputs/ may hold a run of the same name, whose checkpoint it would read."""
     import subprocess
     import sys
 
@@ -215,8 +216,8 @@ def test_shipped_configs_resolve_on_their_intended_clusters(
         "GROUP_WORLD_SIZE": str(nodes),
     }  # fmt: skip
     result = subprocess.run(
-        [sys.executable, "train.py", config, "--dry-run"], cwd=ROOT, capture_output=True,
-        text=True, timeout=60, env=env,
+        [sys.executable, str(ROOT / "train.py"), str(ROOT / config), "--dry-run"], cwd=tmp_path,
+        capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert mesh in result.stdout

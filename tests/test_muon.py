@@ -161,14 +161,14 @@ def test_sharded_matrices_are_orthogonalized_whole() -> None:
     run_distributed(orthogonalize_on_a_mesh, 4, 2, nodes=2)
 
 
-def test_cross_section_settings(tiny_dataset: str) -> None:
+def test_cross_section_settings(tiny_dataset: str, tmp_path: Path) -> None:
     """Muon with CPU offload: one config error; [optim.muon] keys changed under AdamW: a
     warning, not an error."""
     from launch.check import check_config, unintended_settings
     from parallel.dims import LaunchEnv
 
     env = LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, num_nodes=1)
-    base = [f"--data.path={tiny_dataset}", *TINY]
+    base = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY]
     offload = parse_config(JobConfig, [*base, *MUON, "--parallel.cpu_offload=true"])
     with pytest.raises(ConfigError, match="optim.name='muon' with parallel.cpu_offload"):
         check_config(offload, env)

@@ -16,6 +16,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 import train
 from launch.lifecycle import RunLock
@@ -111,6 +112,81 @@ def test_sigterm_saves_the_step_in_flight_and_the_same_command_resumes(
     assert {s: logged_losses(straight.stderr)[s] for s in resumed} == resumed
 
 
+def signalled_run(argv: list[str], signame: str, at_step: int, when: str) -> tuple[list, list]:
+    """Train in this rank (of tests/distributed.py) with the stop signals installed; rank 1
+    sends itself `signame` in step `at_step`: in its forward (`when="compute"`), or once the
+    step's all-reduce is done, during its update and save (`"update"`). Returns the losses and
+    this rank's stop lines."""
+    from configs import parse_config
+    from launch.check import check_config
+    from launch.job import JobConfig
+    from launch.lifecycle import StopRequest
+    from parallel.dims import LaunchEnv
+
+    env, real_step, lines, armed = LaunchEnv.from_env(), train.train_step, [], []
+
+    def signal_in_forward(module: torch.nn.Module, args: tuple) -> None:
+        if armed:  # the first module of the step's forward
+            os.kill(os.getpid(), getattr(signal, armed.pop()))
+
+    def step_and_signal(run: train.Run, micro_batches: list, log: bool, stop: StopRequest):
+        signalled = env.rank == 1 and run.progress.step + 1 == at_step
+        if signalled and when == "compute":
+            armed.append(signame)
+        result = real_step(run, micro_batches, log, stop)
+        if signalled and when == "update":
+            os.kill(os.getpid(), getattr(signal, signame))
+        return result
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("launch.lifecycle").addHandler(Lines(logging.WARNING))
+    train.train_step = step_and_signal
+    torch.nn.modules.module.register_module_forward_pre_hook(signal_in_forward)
+    stop = StopRequest()
+    stop.install()
+    job = parse_config(JobConfig, argv)
+    return train.train(job, check_config(job, env), env, stop), lines
+
+
+@pytest.mark.parametrize(
+    ("signame", "at_step", "when", "line"),
+    [
+        ("SIGQUIT", 4, "compute", "SIGQUIT received: stopping after step 4"),
+        pytest.param(
+            "SIGHUP", 4, "update", "SIGHUP received: stopping after step 5", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            "SIGTERM",
+            6,
+            "update",
+            "SIGTERM received: stopping after step 6 (the last)",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_a_signal_stops_after_the_step_its_line_names(
+    tiny_dataset: str, tmp_path: Path, signame: str, at_step: int, when: str, line: str
+) -> None:
+    """A signal during step 4's forward or backward stops every rank after step 4, saved (the
+    flag is read at the step's end, not its start); one after step 4's all-reduce (its update,
+    a save, the next batch) after step 5. Either way the line names the step. After the last
+    step's all-reduce the run just finishes. Rank 1 alone is signalled; both ranks stop."""
+    from tests.distributed import run_distributed
+
+    args = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            "--train.steps=6", "--checkpoint.interval=100",
+            "--train.micro_batch_size=2"]  # fmt: skip
+    (losses, said0), (_, said1) = run_distributed(signalled_run, 2, args, signame, at_step, when)
+    assert said0 == [] and said1 == [line]
+    stopped_after = int(re.findall(r"\d+", line)[0])
+    assert len(losses) == stopped_after
+    checkpoints = tmp_path / "debug" / "checkpoints"
+    assert [p.parent.name for p in checkpoints.glob("step-*/COMPLETE")] == [f"step-{stopped_after}"]
+
+
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
     tiny_dataset: str, tmp_path: Path
@@ -127,10 +203,11 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
     os.kill(int(children[-1]), signal.SIGUSR1)  # one rank only (Slurm's warning, say)
     assert run.finish() == 0, run.text()[-3000:]
     log = run.text()
-    assert "[rank1] WARNING SIGUSR1 received: stopping after the current step" in log
     # Rank 0 got no signal, yet stops after the same step: the flag rode on the all-reduce.
     stopped = re.search(r"stopped by a signal to another rank after step (\d+)/", log)
     assert stopped, log[-3000:]
+    said = f"[rank1] WARNING SIGUSR1 received: stopping after step {stopped.group(1)}\n"
+    assert said in log, log[-3000:]
     assert (tmp_path / "debug" / "checkpoints" / f"step-{stopped.group(1)}" / "COMPLETE").is_file()
 
 

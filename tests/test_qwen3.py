@@ -30,6 +30,7 @@ from tests.test_train import train_losses
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+ROOT = Path(__file__).resolve().parents[1]
 SEQ = 32
 # GQA (4 query heads share 2 kv heads) and n_heads * head_dim = 128 != dim = 64: the two places
 # where a Llama-shaped assumption would break.
@@ -313,16 +314,17 @@ def test_debug_flavor_trains_on_cpu(tied: bool) -> None:
     ],
 )
 def test_shipped_configs_resolve_on_their_intended_clusters(
-    config: str, nodes: int, per_node: int, mesh: str
+    tmp_path: Path, config: str, nodes: int, per_node: int, mesh: str
 ) -> None:
     """`train.py <config> --dry-run` (no data needed) plans the intended mesh for the qwen3
-    model of the flavor's size."""
+    model of the flavor's size. From a folder of its own: the checkout's outputs/ may hold a
+    run of the same name, whose checkpoint the dry run would read."""
     env = os.environ | {
         "WORLD_SIZE": str(nodes * per_node), "LOCAL_WORLD_SIZE": str(per_node),
         "GROUP_WORLD_SIZE": str(nodes),
     }  # fmt: skip
     result = subprocess.run(
-        [sys.executable, "train.py", config, "--dry-run"], cwd=Path(__file__).resolve().parents[1],
+        [sys.executable, str(ROOT / "train.py"), str(ROOT / config), "--dry-run"], cwd=tmp_path,
         capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

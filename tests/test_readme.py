@@ -49,10 +49,17 @@ def test_quick_start_is_the_two_commands_and_ci_runs_the_second() -> None:
     quick_start = text[text.index("## Quick start") :].split("\n## ", 1)[0]
     first, second = (block.strip() for block in bash_blocks(quick_start)[:2])
     assert (first, second) == QUICK_START, "the quick start's commands changed"
-    # .ci/run installs quietly into the venv it made, then runs command 2's install and test.
-    ci = (ROOT / ".ci" / "run").read_text()
-    [line] = [line for line in ci.splitlines() if line.startswith("pip install")]
-    assert line.replace("pip install -q ", "pip install ") == second.split(" && ", 2)[2]
+    # .ci/run installs quietly into the venv it made as command 2 does, then runs command 1's
+    # data preparation and a short run of its config (a user runs command 1 first, in the same
+    # checkout), then command 2's tests.
+    text = (ROOT / ".ci" / "run").read_text().replace("\\\n    ", "")
+    ci = [line for line in text.splitlines() if line and not line.startswith("#")]
+    install, tests = second.split(" && ")[2:]
+    prepare, quick_start = first.split(" && ")[3:]
+    short_run = quick_start.replace("NPROC=4", "NPROC=1") + " --train.steps=1"
+    [run] = [i for i, line in enumerate(ci) if line.startswith(short_run)]
+    assert ci.index(install.replace("pip install ", "pip install -q ")) < ci.index(prepare) < run
+    assert ci[-1] == tests and run < len(ci) - 1
 
 
 def test_readme_is_a_front_door() -> None:

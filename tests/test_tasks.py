@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import random
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from configs import ConfigError
-from data.tasks import TaskConfig, load_task
+from data.tasks import Request, TaskConfig, load_task
 from data.tokenizer import ByteTokenizer
 from tests.conftest import WORDS
 from tests.distributed import run_distributed
@@ -45,7 +46,9 @@ def write_tasks(folder: Path) -> tuple[Path, Path]:
 
 def train_and_score(argv: list[str]) -> tuple[list[float], list[Any]]:
     """Train in this rank; the losses, and each scoring's (task, logliks, logliks of each
-    request scored alone by an unpadded forward of its own: one causal process only)."""
+    request scored alone by an unpadded forward of its own: one process only). Under document
+    masking the request is scored alone without its EOS: the EOS ends the document before (as
+    in training), so the context cannot attend to it, unlike lm-eval-harness's BOS."""
     import train
     from tests.test_train import train_losses
 
@@ -53,9 +56,10 @@ def train_and_score(argv: list[str]) -> tuple[list[float], list[Any]]:
 
     def recording(run: Any, task: Any) -> torch.Tensor:
         logliks = batched(run, task)
-        alone = None
-        if run.env.world_size == 1 and run.job.data.attention_mask == "causal":
-            alone = [loglik_alone(run.model, request) for request in task.requests]
+        alone, skip = None, int(run.job.data.attention_mask == "document")
+        if run.env.world_size == 1:
+            alone = [loglik_alone(run.model, Request(r.tokens[skip:], r.n_scored))
+                     for r in task.requests]  # fmt: skip
         scored.append((task.name, logliks.tolist(), alone))
         return logliks
 
@@ -111,7 +115,8 @@ def test_same_logliks_on_one_process_fsdp_and_hsdp(
 ) -> None:
     """fp32, after 2 steps: the summed log-likelihood of every request within 1e-5 of one
     process (whose each value is that request scored alone, unpadded), the same accuracies;
-    under document masking too (the context starts after an EOS: its own document), at tp = 2
+    under document masking too (the context starts after an EOS: its own document, so one
+    process's value is the request scored alone without the EOS), at tp = 2
     (the logits split over the vocabulary, under loss_parallel), and at cp = 2 (each request's
     tokens split over two ranks, each summing its part)."""
     extra = [f"--data.attention_mask={mask}", "--data.document_positions=true"] * (mask != "causal")
@@ -144,6 +149,9 @@ BAD = [
     ('\n{"context": "a", "choices": [], "gold": 0}\n', "line 2: the choice list is empty"),
     ('{"context": "a", "gold": 0}\n', "line 1: no choices"),
     ('{"context": "a", "choices": ["b", ""], "gold": 0}\n', "line 1: choice 1 is empty"),
+    # The same rule after a context ending in whitespace, which moves onto the choice and
+    # would give it a token: acc_norm would divide by its 0 bytes.
+    ('{"context": "a ", "choices": ["b", ""], "gold": 0}\n', "line 1: choice 1 is empty"),
     (json.dumps({"context": "x" * 40, "choices": ["b"], "gold": 0}), "line 1: EOS \\+ context"),
 ]
 
@@ -158,13 +166,82 @@ def test_bad_task_file_is_one_error_naming_file_and_line(
         load_task("t", TaskConfig(str(file)), ByteTokenizer(), EOS, seq_len=32)
 
 
+def test_an_empty_target_is_refused_whatever_the_context_ends_with(tmp_path: Path) -> None:
+    file = tmp_path / "lm.jsonl"
+    for context in ("a", "a\n"):
+        file.write_text(json.dumps({"context": context, "target": ""}) + "\n")
+        with pytest.raises(ConfigError, match=f"'{file}' line 1: target is empty"):
+            load_task("t", TaskConfig(str(file), kind="completion"), ByteTokenizer(), EOS, 32)
+
+
+def test_a_task_file_that_is_not_utf8_is_one_line_before_any_rank(
+    tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Latin-1 file (a benchmark saved by another tool): the launchers' check (what
+    launch/torchrun.sh runs before torchrun) ends with one config error naming the task, the
+    file, the line and the byte, instead of a UnicodeDecodeError traceback."""
+    from launch.check import main as launch_check
+
+    file = tmp_path / "latin1.jsonl"
+    good = json.dumps({"context": "the cafe", "choices": [" is", " was"], "gold": 0})
+    file.write_bytes((good + "\n" + good.replace("cafe", "caf\u00e9") + "\n").encode("latin-1"))
+    args = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            "--train.eval_interval=1", f"--eval.tasks.cafe.path={file}"]  # fmt: skip
+    caplog.clear()
+    assert launch_check(["--world-size=1", *args]) == 2
+    [error] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert error == (
+        f"config error: eval.tasks.cafe: '{file}' line 2: not UTF-8 (byte 0xe9 at column 21): a "
+        "task file is UTF-8 text; convert it, e.g. with iconv -t UTF-8"
+    )
+
+
+def test_identical_choices_and_tasks_never_scored_are_warnings(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """Examples whose choices are all the same score right exactly when gold is 0: valid, but
+    one warning naming their lines (or saying that every example is so). Tasks configured with
+    train.eval_interval=0 are neither scored nor read: one warning says so."""
+    from configs import parse_config
+    from data.tasks import task_warnings
+    from launch.check import check_config, unintended_settings
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+
+    same = {"context": "x", "choices": [" a", " a", " a"], "gold": 1}
+    differ = {"context": "x", "choices": [" a", " b"], "gold": 1}
+    (tmp_path / "some.jsonl").write_text("".join(json.dumps(e) + "\n" for e in
+                                                 [differ, same, differ, same]))  # fmt: skip
+    (tmp_path / "all.jsonl").write_text(json.dumps(same) + "\n\n" + json.dumps(same) + "\n")
+    base = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            f"--eval.tasks.some.path={tmp_path / 'some.jsonl'}",
+            f"--eval.tasks.all.path={tmp_path / 'all.jsonl'}"]  # fmt: skip
+    job = parse_config(JobConfig, [*base, "--train.eval_interval=5"])
+    assert task_warnings(check_config(job, LaunchEnv(0, 0, 1, 1, 1)).tasks) == [
+        f"eval.tasks.all: '{tmp_path / 'all.jsonl'}': every example has identical choices, "
+        "scored right exactly when gold is 0 (ties go to the first choice): their acc and "
+        "acc_norm measure the file, not the model",
+        f"eval.tasks.some: '{tmp_path / 'some.jsonl'}': 2 of 4 examples (lines 2, 4) have "
+        "identical choices, scored right exactly when gold is 0 (ties go to the first choice): "
+        "their acc and acc_norm measure the file, not the model",
+    ]
+    assert unintended_settings(job) == []
+    off = parse_config(JobConfig, [*base, "--train.eval_interval=0"])
+    assert check_config(off, LaunchEnv(0, 0, 1, 1, 1)).tasks == ()
+    assert unintended_settings(off) == [
+        "eval.tasks (all, some) will not be scored with train.eval_interval=0, and their files "
+        "are not read (nor checked): set train.eval_interval to score them"
+    ]
+
+
 def test_missing_task_file_stops_the_run_at_startup(tiny_dataset: str, tmp_path: Path) -> None:
     from configs import parse_config
     from launch.check import check_config
     from launch.job import JobConfig
     from parallel.dims import LaunchEnv
 
-    argv = [f"--data.path={tiny_dataset}", *TINY, "--train.eval_interval=5",
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            "--train.eval_interval=5",
             f"--eval.tasks.t.path={tmp_path / 'none.jsonl'}"]  # fmt: skip
     with pytest.raises(ConfigError, match="eval.tasks.t.path: no task file"):
         check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, 1, 1, 1))
