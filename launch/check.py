@@ -122,7 +122,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     same ConfigError and exits before a collective could wait on a missing peer."""
     family = get_family(job.model.name)
     args = family.build_args(job.model)
-    check_graph_fsdp(job.compile, job.parallel, job.fp8.enabled)  # before the mesh's own checks
+    check_graph_fsdp(job.compile, job.parallel, job.fp8.enabled, job.train.loss_chunk_tokens)
     # The mesh and grad accumulation for this world (after an elastic restart, a smaller one:
     # same global batch, or one line that says what would fit; launch/elastic.py).
     mesh = mesh_for_world(job, family, args, env)

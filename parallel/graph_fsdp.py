@@ -74,10 +74,13 @@ class _Gather:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
 
     def __call__(self, param: DTensor) -> torch.Tensor:
+        return self.apply_to_local(param.to_local(), param.shape[0])
+
+    def apply_to_local(self, shard: torch.Tensor, rows: int) -> torch.Tensor:
+        """The whole weight of `rows` rows from this rank's `shard` of it."""
         return _AllGatherShards.apply(
-            param.to_local(), param.shape[0], self.shard_group, self.replica_group,
-            self.param_dtype, self.reduce_dtype,
-        )  # fmt: skip
+            shard, rows, self.shard_group, self.replica_group, self.param_dtype, self.reduce_dtype
+        )
 
 
 class _AllGatherShards(torch.autograd.Function):
@@ -108,6 +111,8 @@ class _AllGatherShards(torch.autograd.Function):
         ctx.dtypes = (reduce_dtype, shard.dtype)
         ctx.padded = -(-rows // ranks)
         x = shard.to(param_dtype)
+        if ranks == 1:  # dp_shard 1: the cast is all (a gather over one rank is a copy)
+            return x
         if ctx.padded != ctx.local_rows:
             x = torch.cat([x, x.new_zeros(ctx.padded - ctx.local_rows, *x.shape[1:])])
         return funcol.all_gather_tensor(x, 0, shard_group)[:rows]
@@ -119,12 +124,16 @@ class _AllGatherShards(torch.autograd.Function):
         g = grad.to(reduce_dtype)
         if ctx.padded * ranks != ctx.rows:
             g = torch.cat([g, g.new_zeros(ctx.padded * ranks - ctx.rows, *g.shape[1:])])
-        # Summed, then divided: gloo has no averaging reduce-scatter.
-        g = funcol.reduce_scatter_tensor(g, "sum", 0, shard_group)
-        if replica_group is not None:
+        # Summed, then divided: gloo has no averaging reduce-scatter. Over one rank neither a
+        # collective nor the division is run: on one H100 they were 3.5 ms of an 8B-block
+        # step's kernels (copies and a division by 1; BENCHMARKS.md "GPU at e00475b").
+        if ranks > 1:
+            g = funcol.reduce_scatter_tensor(g, "sum", 0, shard_group)
+        if replica_group is not None and replica_group.size() > 1:
             g = funcol.all_reduce(g, "sum", replica_group)
             ranks *= replica_group.size()
-        return (g[: ctx.local_rows] / ranks).to(dtype), None, None, None, None, None
+        g = g[: ctx.local_rows]
+        return (g / ranks if ranks > 1 else g).to(dtype), None, None, None, None, None
 
 
 def _gathering_property(name: str, gather: _Gather) -> property:
@@ -168,11 +177,19 @@ def apply_graph_fsdp(
         output.compile(fullgraph=compile_cfg.fullgraph, options=options)
 
 
-def check_graph_fsdp(compile_cfg: CompileConfig, parallel: ParallelConfig, fp8: bool) -> None:
+def check_graph_fsdp(
+    compile_cfg: CompileConfig, parallel: ParallelConfig, fp8: bool, loss_chunk_tokens: int = 0
+) -> None:
     """ConfigError, before any process group, for what compile.fsdp='graph' does not run: one
     line saying why and what to use instead (compile.fsdp='hooks' runs all of them)."""
     if compile_cfg.fsdp != "graph":
         return
+    # Measured on an H100 with torch 2.11 (tests/test_gpu.py, BENCHMARKS.md): the chunked loss's
+    # backward recomputes each chunk through the compiled output projection under the
+    # checkpoint's saved-tensor hooks, and Dynamo recompiles for every chunk until its
+    # recompile limit stops the run. torch 2.13 runs it (tests/test_graph_fsdp.py); 2.12 is
+    # untested.
+    old_torch = torch_release() < (2, 13)
     refused = (
         (parallel.tp > 1, "parallel.tp > 1", "tensor parallel's weights are DTensors on the tp "
          "mesh already, and gathering them over the data-parallel mesh inside the graph needs "
@@ -188,6 +205,9 @@ def check_graph_fsdp(compile_cfg: CompileConfig, parallel: ParallelConfig, fp8: 
          "graph does not split into"),
         (parallel.cpu_offload, "parallel.cpu_offload", "offloading moves shards between host "
          "and device in FSDP2's hooks, and this path has none"),
+        (loss_chunk_tokens > 0 and old_torch, "train.loss_chunk_tokens on torch "
+         f"{torch.__version__}", "Dynamo recompiles the compiled output projection for every "
+         "chunk the loss's backward recomputes (torch 2.11: measured; 2.13 runs it)"),
         (parallel.forward_prefetch > 0 or parallel.backward_prefetch > 0,
          "parallel.forward_prefetch/backward_prefetch", "the compiler schedules the all-gathers "
          "itself (compile.bucket_mb sets their size)"),
@@ -198,6 +218,12 @@ def check_graph_fsdp(compile_cfg: CompileConfig, parallel: ParallelConfig, fp8: 
                 f"compile.fsdp='graph' with {setting}: {why}; use compile.fsdp='hooks' "
                 "(FSDP2 with per-block compile) for it"
             )
+
+
+def torch_release() -> tuple[int, int]:
+    """(major, minor) of the running torch, e.g. (2, 13) for '2.13.0+cpu'."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
 
 
 def inductor_options(bucket_mb: float, reshard_after_forward: str) -> dict[str, Any]:

@@ -187,15 +187,18 @@ def test_document_masking_trains_compiled_on_one_gpu(tiny_dataset: str, tmp_path
 def test_graph_fsdp_matches_eager_fsdp2_on_one_gpu(short_docs: str, tmp_path: Path) -> None:
     """compile.fsdp='graph' on CUDA (Triton kernels, NCCL; dp_shard 1, where the gathers are
     in-graph casts): float32 with full AC, tied embeddings, document masking (FlexAttention)
-    and the chunked loss over 6 steps of 2 micro-batches within 1e-4 of eager FSDP2 (the
-    tolerance of the compiled-blocks test above: Triton's float32 reductions are not
-    bitwise eager's; 1e-5 on CPU), bf16 within the eager bf16 test's 5e-3."""
+    and (from torch 2.13) the chunked loss over 6 steps of 2 micro-batches within 1e-4 of
+    eager FSDP2 (the tolerance of the compiled-blocks test above: Triton's float32 reductions
+    are not bitwise eager's; 1e-5 on CPU), bf16 within the eager bf16 test's 5e-3."""
     base = [
         f"--data.path={short_docs}", f"--run.output_dir={tmp_path}", *TINY,
         "--parallel.device=cuda", "--train.steps=6", "--train.micro_batch_size=4",
         "--ac.mode=full", "--model.tie_embeddings=true", "--data.attention_mask=document",
-        "--train.loss_chunk_tokens=48",
     ]  # fmt: skip
+    from parallel.graph_fsdp import torch_release
+
+    if torch_release() >= (2, 13):  # refused before (check_graph_fsdp): measured on torch 2.11
+        base.append("--train.loss_chunk_tokens=48")
     graph = ["--compile.enabled=true", "--compile.fsdp=graph"]
     for dtype, rtol in (("float32", 1e-4), ("bfloat16", 5e-3)):
         argv = [*base, f"--parallel.param_dtype={dtype}"]

@@ -234,3 +234,71 @@ def test_what_the_graph_path_refuses_is_one_config_line(flags: list[str], refuse
     assert "compile.fsdp='hooks'" in message
     with pytest.raises(ConfigError, match="set compile.enabled=true too"):
         parse_config(JobConfig, ["--compile.fsdp=graph"])
+
+
+@pytest.mark.parametrize("version, refused", [("2.11.0+cu130", True), ("2.13.0+cpu", False)])
+def test_chunked_loss_in_graph_mode_needs_torch_2_13(monkeypatch, version: str, refused: bool):
+    """On torch 2.11 (an H100) the chunked loss's recompute through the compiled output
+    projection hit Dynamo's recompile limit: refused there in one line; allowed from 2.13."""
+    from configs import ConfigError, parse_config
+    from launch.check import check_config
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+
+    monkeypatch.setattr(torch, "__version__", version)
+    job = parse_config(JobConfig, [*TINY, *GRAPH, "--dry_run=true", "--train.micro_batch_size=1",
+                                   "--train.loss_chunk_tokens=48"])  # fmt: skip
+    env = LaunchEnv(rank=0, local_rank=0, world_size=4, local_world_size=4, num_nodes=1)
+    if not refused:
+        check_config(job, env)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_config(job, env)
+    assert "\n" not in str(err.value)
+    assert "with train.loss_chunk_tokens on torch 2.11.0+cu130:" in str(err.value)
+
+
+def gather_at_one_rank() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, set]:
+    """On a one-rank mesh: a 5x3 float32 parameter through the graph path's gather (bf16
+    compute, float32 reduction), eagerly; the weight it gives, the gradient it returns and the
+    names of the torch functions the two called."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.overrides import TorchFunctionMode
+
+    from parallel.graph_fsdp import _Gather
+
+    class Calls(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            self.names.add(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo")
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        full = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+        param = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+        upstream = torch.randn(5, 3, dtype=torch.bfloat16)
+        gather = _Gather(mesh, torch.bfloat16, torch.float32)
+        shard = param.to_local().detach().requires_grad_()
+        with Calls() as calls:
+            weight = gather.apply_to_local(shard, param.shape[0])
+            weight.backward(upstream)
+        return full, weight.detach(), upstream, shard.grad, calls.names
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_gathers_and_reduces_nothing() -> None:
+    """dp_shard 1 (one GPU): the gather is the cast alone, and the gradient comes back cast to
+    the parameter's dtype with no collective and no division (a division by 1 and the copies
+    of one-rank collectives were kernels of every step on the GPU)."""
+    full, weight, upstream, grad, calls = run_distributed(gather_at_one_rank, 1)[0]
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight, full.to(torch.bfloat16))
+    assert grad.dtype == torch.float32 and torch.equal(grad, upstream.float())
+    assert not {name for name in calls if "div" in name or "gather" in name or "reduce" in name}
