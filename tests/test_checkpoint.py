@@ -450,7 +450,7 @@ MANIFEST_WHY = {
 # check below runs in this process for every kind: a trainer run per kind would add minutes
 # and test nothing those runs do not.
 QUICK = ("flipped-byte", "manifest-not-json")
-RUN_KINDS = [*QUICK, pytest.param("truncated-distcp", marks=pytest.mark.slow)]
+RUN_KINDS = [*QUICK, pytest.param("truncated-distcp", marks=pytest.mark.drill)]
 
 
 def copy_checkpoints(out: Path, name: str) -> Path:
@@ -664,7 +664,7 @@ def small_tmpfs(path: Path, size_bytes: int, read_only: bool = False) -> Iterato
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["off", "async"])
+@pytest.mark.parametrize("mode", [pytest.param("off", marks=pytest.mark.drill), "async"])
 def test_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_checkpoint(
     sync_run: tuple[list, Path], tiny_dataset: str, tmp_path: Path, mode: str
 ) -> None:

@@ -137,7 +137,7 @@ def test_explicit_positions() -> None:
     ("impl", "variants"),
     [
         ("sdpa", [("full", False), ("selective", False), ("op", False), ("op", True)]),
-        ("chunked", [("full", True)]),
+        pytest.param("chunked", [("full", True)], marks=pytest.mark.drill),
     ],
 )
 def test_checkpointed_and_compiled_blocks_take_the_document_mask(

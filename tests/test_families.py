@@ -308,7 +308,7 @@ def test_the_logits_are_the_output_layer_of_the_hidden_states(family: str) -> No
 
 
 def test_persistent_buffers_are_checkpoint_state_hugging_face_files_refuse(
-    tiny_dataset: str, monkeypatch: pytest.MonkeyPatch
+    tiny_dataset: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The test family's routing bias is a persistent buffer: in the state dict (so in every
     checkpoint), not in Hugging Face files. With a mapping, the export and the load refuse
@@ -326,8 +326,9 @@ def test_persistent_buffers_are_checkpoint_state_hugging_face_files_refuse(
     with pytest.raises(ConfigError, match=r"persistent buffers \(layers.1.moe.router.bias\)"):
         hf_tensors(model, llama_hf)
     monkeypatch.setitem(HF_MAPPINGS, zoo.NAME, llama_hf)
-    argv = [f"--data.path={tiny_dataset}", *TINY, f"--model.name={zoo.NAME}",
-            "--train.micro_batch_size=4", f"--checkpoint.init_from_hf={tiny_dataset}"]  # fmt: skip
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            f"--model.name={zoo.NAME}", "--train.micro_batch_size=4",
+            f"--checkpoint.init_from_hf={tiny_dataset}"]  # fmt: skip
     with pytest.raises(ConfigError, match="init_from_hf: model zoo keeps state in persistent"):
         check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, 1, 1, 1))
 
@@ -342,7 +343,7 @@ class DriftingZoo(zoo.Zoo):
 
 
 def test_a_forward_that_changes_a_persistent_buffer_is_refused_at_start(
-    tiny_dataset: str, monkeypatch: pytest.MonkeyPatch
+    tiny_dataset: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """check_config runs the model on meta once and finds the buffer changed: one line naming
     it, before any process group; the test family itself passes."""
@@ -352,8 +353,8 @@ def test_a_forward_that_changes_a_persistent_buffer_is_refused_at_start(
     from parallel.dims import LaunchEnv
 
     monkeypatch.setattr(zoo, "build_model", DriftingZoo)
-    argv = [f"--data.path={tiny_dataset}", *TINY, f"--model.name={zoo.NAME}",
-            "--train.micro_batch_size=4"]  # fmt: skip
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            f"--model.name={zoo.NAME}", "--train.micro_batch_size=4"]  # fmt: skip
     drift = r"forward changes its persistent buffers \(layers.1.moe.router.bias\)"
     with pytest.raises(ConfigError, match=drift) as err:
         check_config(parse_config(JobConfig, argv), LaunchEnv(0, 0, 1, 1, 1))

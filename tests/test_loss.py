@@ -100,7 +100,7 @@ class CappedAfterTheOutput(llama.Transformer):
 
 
 def test_a_forward_that_changes_the_logits_after_the_output_layer_is_refused_with_chunking(
-    tiny_dataset: str, monkeypatch: pytest.MonkeyPatch, zoo_family: str
+    tiny_dataset: str, monkeypatch: pytest.MonkeyPatch, zoo_family: str, tmp_path: Path
 ) -> None:
     """The chunked loss of such a model silently differs from its loss (the cap skipped): with
     train.loss_chunk_tokens, check_config refuses it in one line, from the model on meta;
@@ -124,7 +124,8 @@ def test_a_forward_that_changes_the_logits_after_the_output_layer_is_refused_wit
     whole = summed_loss(model, MicroBatch(tokens, tokens), cross_entropy_sum)
     assert (summed_loss(model, MicroBatch(tokens, tokens), chunked) - whole).abs() > 1e-2
 
-    base = [f"--data.path={tiny_dataset}", *TINY, "--train.micro_batch_size=4"]
+    base = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            "--train.micro_batch_size=4"]  # fmt: skip
     env = LaunchEnv(0, 0, 1, 1, 1)
     check_config(parse_config(JobConfig, [*base, "--model.name=capped"]), env)
     argv = [*base, "--model.name=capped", "--train.loss_chunk_tokens=16"]

@@ -468,7 +468,10 @@ def test_a_description_its_blocks_contradict_is_named_not_used(
 
 
 def test_dry_run_prints_the_config_then_the_plan_of_any_family(
-    zoo_family: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    zoo_family: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     """`train.py --dry-run` (no data): the test family's block mix gets its parameter count
     (the model's own) and FLOPs; a family without block_shapes gets the resolved config, the
@@ -484,6 +487,7 @@ def test_dry_run_prints_the_config_then_the_plan_of_any_family(
     env = LaunchEnv(0, 0, 8, 8, 1)
     for name in (zoo_family, "undescribed"):
         job = parse_config(JobConfig, [f"--model.name={name}", "--dry-run",
+                                       f"--run.output_dir={tmp_path}",
                                        "--train.micro_batch_size=1"])  # fmt: skip
         dry_run(job, check_config(job, env), env)
         out = capsys.readouterr().out

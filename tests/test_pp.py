@@ -106,7 +106,11 @@ def assert_same_run(got: dict, want: dict, steps: slice = slice(None)) -> None:
 
 
 def _families(quick: str) -> list[Any]:
-    return [pytest.param(f, marks=[] if f == quick else pytest.mark.slow) for f in FAMILIES]
+    """Every family: `quick` in the quick tier, qwen3_moe in the full run, qwen3 (a dense block
+    like llama3's, with the same pipeline code path) in the drills (-m drill), for the suite's
+    time."""
+    marks = {quick: [], "qwen3": [pytest.mark.drill]}
+    return [pytest.param(f, marks=marks.get(f, [pytest.mark.slow])) for f in FAMILIES]
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +159,9 @@ def test_every_schedule_gives_the_one_process_run(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize(
+    "family", [f if f == DEFAULT else pytest.param(f, marks=pytest.mark.drill) for f in FAMILIES]
+)  # ~40 s of 2 cores each; qwen3 and qwen3_moe run in the drills (-m drill)
 def test_pp_composes_and_resumes_across_pp_degrees(
     family: str,
     reference: Callable[[str], dict],
@@ -428,15 +434,17 @@ def test_an_elastic_restart_keeps_pp(tiny_dataset: str, tmp_path: Path) -> None:
 def train_stopped_by_the_last_stage(argv: list[str]) -> list[float]:
     """Train, with a stop request reaching only the last pp rank, during step 3."""
     import os
+    import signal
 
     import train
     from tests.test_train import train_losses
 
     step = train.train_step
 
-    def stop_on_the_last_stage(run: Any, batches: Any, stop: bool, *args: Any) -> Any:
-        last = run.pipeline is not None and run.pipeline.holds_last
-        return step(run, batches, stop or (last and run.progress.step == 2), *args)
+    def stop_on_the_last_stage(run: Any, batches: Any, log: bool, stop: Any) -> Any:
+        if run.pipeline is not None and run.pipeline.holds_last and run.progress.step == 2:
+            stop._handle(signal.SIGUSR1, None)  # as if delivered to this rank alone
+        return step(run, batches, log, stop)
 
     train.train_step = stop_on_the_last_stage
     assert os.environ["RANK"] in ("0", "1")
