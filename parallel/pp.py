@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.pipelining as pipelining
 from torch import nn
 
 from configs import ConfigError
@@ -92,6 +91,10 @@ class Pipeline:
         self.ranks = dist.get_process_group_ranks(self.group)
         self.holds_first, self.holds_last = stages[0].index == 0, stages[-1].index == n - 1
         self._step: _StepInputs | None = None
+        # Imported here, not at the top: it imports Dynamo and Inductor (0.5 s of every rank's
+        # start, and of every test that starts one), which a run without pp does not need.
+        import torch.distributed.pipelining as pipelining
+
         torch_stages = []
         for stage in stages:
             stage.model.register_forward_pre_hook(self._pre_forward(stage), with_kwargs=True)
@@ -233,6 +236,8 @@ def check_pp(cfg: Any, compiled: bool, family: ModelFamily, model: nn.Module, ac
 
     if cfg.pp == 1:
         return
+    import torch.distributed.pipelining as pipelining  # see Pipeline.__init__
+
     name = SCHEDULE_CLASSES[cfg.pipeline.schedule]
     if not hasattr(pipelining, name):
         raise ConfigError(
