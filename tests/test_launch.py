@@ -173,7 +173,7 @@ def test_two_torchrun_agents_train_hsdp_2x2(tiny_dataset: str, tmp_path: Path, l
     assert step_logged(4, log)
 
 
-@pytest.mark.slow
+@pytest.mark.drill  # one node's restart runs by default (test_torchrun_sh_restarts_a_killed...)
 def test_killed_worker_restarts_group_and_resumes(tiny_dataset: str, tmp_path: Path, launch):
     """SIGKILL one rank mid-run: torchrun restarts every node's workers, which resume from the
     latest complete checkpoint (resume=auto) and reach the last step."""

@@ -211,7 +211,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
     assert (tmp_path / "debug" / "checkpoints" / f"step-{stopped.group(1)}" / "COMPLETE").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.drill  # under torchrun.sh it runs by default (test_launch.py's second launch)
 def test_second_trainer_on_a_run_folder_in_use_gets_one_line(
     tiny_dataset: str, tmp_path: Path
 ) -> None:
