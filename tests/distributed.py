@@ -19,7 +19,10 @@ from typing import Any
 
 _CTX = mp.get_context("forkserver")
 # The fork server imports torch once; each rank forks from it instead of re-importing (~2 s).
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "train"])
+# Dynamo and Inductor too: train.py does not import them, but every training step does (FSDP2
+# and the compile checks reach them), ~1 s a rank.
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch._inductor",
+                             "train"])  # fmt: skip
 
 
 def _free_port() -> int:
