@@ -174,21 +174,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     except ModelMismatch as misfit:
         raise explain_misfit(job, misfit) from None
     check_forward(family, meta_model, job.model.name, bool(t.loss_chunk_tokens))
-    if job.checkpoint.init_from_hf:
-        if (mapping := get_hf_mapping(job.model.name)) is None:
-            raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
-        if buffers := persistent_buffers(meta_model):
-            raise ConfigError(
-                f"checkpoint.init_from_hf: model {job.model.name} keeps state in persistent "
-                f"buffers ({', '.join(buffers)}) that Hugging Face weights do not carry: start "
-                "from a checkpoint of this trainer (checkpoint.load_model_only) instead"
-            )
-        check_hf_config(mapping, args, job.checkpoint.init_from_hf)
-    if job.fp8.enabled and (unmatched := unmatched_skips(meta_model, job.fp8.skip)):
-        raise ConfigError(
-            f"fp8.skip: {', '.join(unmatched)} matches no Linear layer of this model "
-            "(entries are module names or their dotted suffixes, e.g. 'output', 'attention.wo')"
-        )
+    check_built_model(job, args, meta_model)
     changes: list[str] = []
     if resume is not None and not resume.model_only:
         changes = resume_changes(job, resume.path)
@@ -205,6 +191,27 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         tp=job.parallel.tp, ep=job.parallel.ep, cp=job.parallel.cp, pp=job.parallel.pp,
         stage_sizes=stage_sizes, sources=sources, tasks=tasks,
     )  # fmt: skip
+
+
+def check_built_model(job: JobConfig, args: Any, meta_model: torch.nn.Module) -> None:
+    """ConfigError for what the model as built on meta cannot take: Hugging Face weights
+    (checkpoint.init_from_hf) without a mapping, into persistent buffers, or of another shape;
+    fp8.skip entries that match no Linear layer."""
+    if job.checkpoint.init_from_hf:
+        if (mapping := get_hf_mapping(job.model.name)) is None:
+            raise ConfigError(f"checkpoint.init_from_hf: {job.model.name} has no HF mapping")
+        if buffers := persistent_buffers(meta_model):
+            raise ConfigError(
+                f"checkpoint.init_from_hf: model {job.model.name} keeps state in persistent "
+                f"buffers ({', '.join(buffers)}) that Hugging Face weights do not carry: start "
+                "from a checkpoint of this trainer (checkpoint.load_model_only) instead"
+            )
+        check_hf_config(mapping, args, job.checkpoint.init_from_hf)
+    if job.fp8.enabled and (unmatched := unmatched_skips(meta_model, job.fp8.skip)):
+        raise ConfigError(
+            f"fp8.skip: {', '.join(unmatched)} matches no Linear layer of this model "
+            "(entries are module names or their dotted suffixes, e.g. 'output', 'attention.wo')"
+        )
 
 
 def pipeline_split(job: JobConfig, family: ModelFamily, args: Any) -> tuple[int, ...]:
@@ -431,6 +438,20 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         + " "
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
+    print_plan_notes(job, plan, shape, buckets, pipeline)
+    mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
+    mesh += f" (dp_shard x CP{plan.cp})" if plan.cp > 1 else ""
+    mesh += f" TP{plan.tp}" if plan.tp > 1 else ""
+    mesh += f" EP{plan.ep}" if plan.ep > 1 else ""
+    mesh = f"PP{plan.pp} " + mesh if pipelined else mesh
+    print("\n".join(f"# {line}" for line in format_plan({mesh: (mem, comm)})))
+
+
+def print_plan_notes(
+    job: JobConfig, plan: Plan, shape: ModelShape, buckets: Any, pipeline: Any
+) -> None:
+    """The dry run's lines between the mesh and the plan: parameters, graph FSDP's buckets,
+    FLOPs (or what the planner lacks), the data and checkpoint found, the pipeline."""
     print(f"# parameters: {shape.numel():,}, trainable {shape.numel(trainable_only=True):,}")
     if buckets is not None:
         print(f"# compile.fsdp='graph': per micro-batch {len(buckets.all_gather)} all-gather "
@@ -448,12 +469,6 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         print(f"# resume: {plan.resume.path} (step {plan.resume.step})")
     if pipeline is not None:
         print(f"# {describe(pipeline, plan.pp, plan.grad_accum_steps)}")
-    mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
-    mesh += f" (dp_shard x CP{plan.cp})" if plan.cp > 1 else ""
-    mesh += f" TP{plan.tp}" if plan.tp > 1 else ""
-    mesh += f" EP{plan.ep}" if plan.ep > 1 else ""
-    mesh = f"PP{plan.pp} " + mesh if pipelined else mesh
-    print("\n".join(f"# {line}" for line in format_plan({mesh: (mem, comm)})))
 
 
 # ---- python -m launch.check ------------------------------------------------------------------
