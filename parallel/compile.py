@@ -25,6 +25,13 @@ class CompileConfig:
     enabled: bool = False
     """Compile each transformer block with torch.compile (Inductor). The first steps are slow
     while it compiles."""
+    backend: Literal["inductor", "aot_eager"] = "inductor"
+    """torch.compile's backend. 'aot_eager' traces and differentiates exactly as Inductor's
+    path does (Dynamo's graphs, graph breaks, recompiles, AOTAutograd's joint graph) but runs
+    the graph's ops eagerly instead of generating kernels: to tell a compiler bug from a model
+    bug, and for tests of how compile composes with the other features, which on CPU it runs
+    in a third of Inductor's time (the suite keeps Inductor where kernels are the point:
+    tests/test_ac_compile.py, tests/test_graph_fsdp.py). No speed-up of its own."""
     fullgraph: bool = True
     """Fail on a graph break instead of silently running part of a compiled region eagerly (a
     block; an MoE block under expert parallel is compiled in regions: `compile_around`)."""
@@ -54,6 +61,11 @@ class CompileConfig:
                 "compile.fsdp='graph' compiles the whole model with its collectives: set "
                 "compile.enabled=true too"
             )
+        if self.fsdp == "graph" and self.backend != "inductor":
+            raise ConfigError(
+                f"compile.fsdp='graph' with compile.backend='{self.backend}': Inductor buckets, "
+                "reorders and reshards the graph's collectives; use compile.backend='inductor'"
+            )
 
 
 def compile_loss(loss_fn: Callable[..., torch.Tensor], cfg: CompileConfig) -> Callable:
@@ -61,7 +73,7 @@ def compile_loss(loss_fn: Callable[..., torch.Tensor], cfg: CompileConfig) -> Ca
     every FSDP unit's hooks (it runs on the model's output), so it has no collective to trace."""
     if not (cfg.enabled and cfg.loss):
         return loss_fn
-    return torch.compile(loss_fn, fullgraph=True)
+    return torch.compile(loss_fn, fullgraph=True, backend=cfg.backend)
 
 
 def apply_compile(
@@ -84,7 +96,9 @@ def apply_compile(
         if _holds(block, apart):
             compile_around(block, apart, cfg)
         else:
-            replace_submodule(model, block, torch.compile(block, fullgraph=cfg.fullgraph))
+            replace_submodule(
+                model, block, torch.compile(block, fullgraph=cfg.fullgraph, backend=cfg.backend)
+            )
 
 
 def compile_around(module: nn.Module, apart: Sequence[nn.Module], cfg: CompileConfig) -> None:
@@ -100,7 +114,9 @@ def compile_around(module: nn.Module, apart: Sequence[nn.Module], cfg: CompileCo
         if _holds(child, apart):
             compile_around(child, apart, cfg)
         else:
-            setattr(module, name, torch.compile(child, fullgraph=cfg.fullgraph))
+            setattr(
+                module, name, torch.compile(child, fullgraph=cfg.fullgraph, backend=cfg.backend)
+            )
 
 
 def _holds(module: nn.Module, apart: Sequence[nn.Module]) -> bool:

@@ -209,7 +209,7 @@ def _compiled_compute(compute: Any, cfg: CompileConfig) -> Any:
     no value of theirs is guarded on and a new count, 0 and 1 included, reuses the graph."""
     from torch._dynamo.decorators import mark_unbacked
 
-    graph = torch.compile(compute, fullgraph=cfg.fullgraph)
+    graph = torch.compile(compute, fullgraph=cfg.fullgraph, backend=cfg.backend)
 
     def run(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         mark_unbacked(rows, 0)

@@ -31,7 +31,7 @@ from parallel.dims import LaunchEnv
 from parallel.freeze import apply_freeze
 from parallel.lora import LoRAConfig, LoRALayer, apply_lora, init_lora, merge_lora
 from tests.distributed import run_distributed
-from tests.test_train import FP32, TINY, assert_close, train_losses
+from tests.test_train import COMPILED, FP32, TINY, assert_close, train_losses
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # transformers and peft never reach for the network
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -477,9 +477,9 @@ def test_qwen3_lora_tensor_parallel_equals_one_process(tiny_dataset: str, tmp_pa
 def test_lora_compiled_with_activation_checkpointing_equals_eager(
     one_process: dict[str, Any], tiny_dataset: str, tmp_path: Path
 ) -> None:
-    """Blocks compiled (inductor) and checkpointed with their adapters, as bench/gpu.py's
-    fine-tuning suite runs them: the eager LoRA losses within 1e-5 (fp32)."""
-    extra = [*STEPS, *LORA, "--compile.enabled=true", "--ac.mode=full"]
+    """Blocks compiled (COMPILED: Dynamo and AOTAutograd) and checkpointed with their adapters,
+    as bench/gpu.py's fine-tuning suite runs them: the eager LoRA losses within 1e-5 (fp32)."""
+    extra = [*STEPS, *LORA, *COMPILED, "--ac.mode=full"]
     compiled, _ = runs(tiny_dataset, tmp_path, 1, 1, extra)
     assert_close(compiled, one_process["lora"][0], rtol=1e-5)
 

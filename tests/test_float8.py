@@ -23,6 +23,7 @@ from parallel.float8 import (
     unmatched_skips,
 )
 from tests.distributed import run_distributed
+from tests.test_train import COMPILED
 
 pytest.importorskip("torchao", reason="fp8 extra not installed: pip install '.[fp8]'")
 
@@ -359,14 +360,15 @@ def test_fp8_gradient_accumulation_matches_one_large_batch(
 
 @pytest.mark.slow
 def test_fp8_with_activation_checkpointing_and_compile(tiny_dataset: str, tmp_path: Path) -> None:
-    """FP8 composes with full AC and per-block torch.compile (inductor on CPU)."""
+    """FP8 composes with full AC and per-block torch.compile (traced by Dynamo and AOTAutograd:
+    tests/test_train.py's COMPILED; the fp8 kernels Inductor makes are measured on the GPU)."""
     from tests.test_train import train_losses
 
     fp8 = ["--train.steps=2", "--fp8.enabled=true", "--parallel.param_dtype=float32"]
     eager = run_distributed(train_losses, 1, _argv(tiny_dataset, tmp_path / "a", *fp8))[0]
     combined = run_distributed(
         train_losses, 1,
-        _argv(tiny_dataset, tmp_path / "b", *fp8, "--ac.mode=full", "--compile.enabled=true"),
+        _argv(tiny_dataset, tmp_path / "b", *fp8, "--ac.mode=full", *COMPILED),
         timeout=600,
     )[0]  # fmt: skip
     torch.testing.assert_close(torch.tensor(combined), torch.tensor(eager), rtol=1e-3, atol=0)

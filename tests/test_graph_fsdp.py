@@ -248,6 +248,8 @@ def test_what_the_graph_path_refuses_is_one_config_line(flags: list[str], refuse
     assert "compile.fsdp='hooks'" in message
     with pytest.raises(ConfigError, match="set compile.enabled=true too"):
         parse_config(JobConfig, ["--compile.fsdp=graph"])
+    with pytest.raises(ConfigError, match="use compile.backend='inductor'"):
+        parse_config(JobConfig, [*GRAPH, "--compile.backend=aot_eager"])
 
 
 @pytest.mark.parametrize("version, refused", [("2.11.0+cu130", True), ("2.13.0+cpu", False)])

@@ -237,9 +237,10 @@ def test_tensor_parallel_chunked_loss_equals_unchunked(tiny_dataset: str, tmp_pa
 
 @pytest.mark.slow
 def test_chunked_loss_composes_with_the_compiled_loss() -> None:
-    """compile.loss: each chunk's cross-entropy is the compiled function (Inductor compiles it
-    for a full and then a short chunk), inside the checkpoint and again in its recompute; loss
-    and gradients equal the eager unchunked ones. Slow: compiling takes tens of seconds."""
+    """compile.loss: each chunk's cross-entropy is the compiled function (compiled for a full
+    and then a short chunk; by Dynamo and AOTAutograd, the kernels are test_ac_compile's),
+    inside the checkpoint and again in its recompute; loss and gradients equal the eager
+    unchunked ones."""
     from parallel.compile import CompileConfig, compile_loss
 
     torch.manual_seed(0)
@@ -255,7 +256,7 @@ def test_chunked_loss_composes_with_the_compiled_loss() -> None:
         return [loss.detach(), hidden.grad, output.weight.grad]
 
     whole = loss_and_grads(lambda h, t: cross_entropy_sum(output(h), t))
-    compiled = compile_loss(cross_entropy_sum, CompileConfig(enabled=True))
+    compiled = compile_loss(cross_entropy_sum, CompileConfig(enabled=True, backend="aot_eager"))
     for _ in range(2):  # the second call reuses the compiled code
         chunked = loss_and_grads(ChunkedLoss(output, 10, compiled))
         for got, want in zip(chunked, whole, strict=True):

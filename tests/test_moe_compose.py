@@ -17,7 +17,7 @@ import pytest
 from tests.distributed import run_distributed
 from tests.test_families import STEPS, assert_same_run, run_argv, scalars
 from tests.test_moe_trainer import MOE, train
-from tests.test_train import assert_close, train_losses
+from tests.test_train import COMPILED, assert_close, train_losses
 
 DOCUMENTS = ["--data.attention_mask=document", "--data.document_positions=true"]
 
@@ -83,7 +83,7 @@ def compiled_run(dataset: str, out: Path, name: str, world: int, *extra: str) ->
     """A compiled run on `world` ranks: losses, rank 0's scalars and graphs after each step."""
     argv = run_argv(dataset, out, "qwen3_moe", name, f"--train.steps={STEPS}",
                     "--metrics.tensorboard=true", "--metrics.log_interval=1",
-                    "--compile.enabled", *extra)  # fmt: skip
+                    *COMPILED, *extra)  # fmt: skip
     losses, graphs = run_distributed(train_counting_graphs, world, argv, timeout=600)[0]
     return {"losses": losses, "graphs": graphs} | scalars(out / name)
 

@@ -21,7 +21,7 @@ from model import FAMILIES
 from model.qwen3_moe import build_args
 from tests.distributed import run_distributed
 from tests.test_families import RUN_SHAPE, STEPS, assert_same_run, run_argv, train_run
-from tests.test_train import TINY, train_losses
+from tests.test_train import COMPILED, TINY, train_losses
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -48,7 +48,7 @@ def test_compile_and_ac_keep_the_losses(tiny_dataset: str, tmp_path: Path) -> No
     straight = train(tiny_dataset, tmp_path, "straight", 1)
     op_ac = train(tiny_dataset, tmp_path, "op_ac", 1, "--ac.mode=op")
     assert op_ac["losses"] == straight["losses"] and op_ac["grad_norm"] == straight["grad_norm"]
-    compiled = train(tiny_dataset, tmp_path, "compiled", 1, "--compile.enabled", "--ac.mode=op")
+    compiled = train(tiny_dataset, tmp_path, "compiled", 1, *COMPILED, "--ac.mode=op")
     assert_same_run(compiled, straight)
 
 

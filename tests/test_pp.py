@@ -33,7 +33,7 @@ from tests.distributed import _free_port, run_distributed
 from tests.test_families import assert_same_run as assert_same_losses
 from tests.test_families import run_argv, scalars
 from tests.test_tasks import write_tasks
-from tests.test_train import assert_close
+from tests.test_train import COMPILED, assert_close
 
 PP_SHAPE = ["--model.n_layers=4", "--model.tie_embeddings=false", "--train.steps=6",
             "--metrics.tensorboard=true", "--metrics.log_interval=1"]  # fmt: skip
@@ -227,7 +227,7 @@ def test_pp_composes_with_the_trainers_features(
     alone = spawn(tiny_dataset, tmp_path, DEFAULT, 1, composed)
     runs = {name: ["--parallel.pp=2", *extra] for name, extra in composed.items()}
     runs["muon"].append("--parallel.pipeline.schedule=zbv")
-    runs["compiled"] = ["--parallel.pp=2", "--compile.enabled=true"]
+    runs["compiled"] = ["--parallel.pp=2", *COMPILED]
     got = spawn(tiny_dataset, tmp_path, DEFAULT, 2, runs)
     for name in composed:
         assert_same_run(got[name], alone[name])

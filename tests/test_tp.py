@@ -10,7 +10,7 @@ from configs import ConfigError
 from launch.job import JobConfig
 from parallel.dims import LaunchEnv, ParallelConfig, resolve_dims
 from tests.distributed import run_distributed
-from tests.test_train import FP32, assert_close, run, train_losses
+from tests.test_train import COMPILED, FP32, assert_close, run, train_losses
 
 STEPS = ["--train.steps=4", "--train.micro_batch_size=2"]
 
@@ -120,7 +120,9 @@ def grads_after_one_step(
     if dims[2] > 1:
         apply_tp(model, family, mesh["tp"])
     tp_compile_workarounds(model, family, dims[2], compiled, "none")
-    apply_compile(model, family.fsdp_units(model), CompileConfig(enabled=compiled))
+    apply_compile(
+        model, family.fsdp_units(model), CompileConfig(enabled=compiled, backend="aot_eager")
+    )
     apply_fsdp(
         model, family.fsdp_units(model), dp_mesh(mesh), ParallelConfig(param_dtype="float32")
     )
@@ -182,9 +184,7 @@ def test_fp32_parity_tp_with_compile(tiny_dataset: str, tmp_path: Path, ac: str)
     left out here for time (1 and 2 minutes on 2 cores)."""
     steps = [*FP32, "--train.steps=4", "--train.micro_batch_size=4", f"--ac.mode={ac}"]
     single = run(tiny_dataset, tmp_path, 1, 1, steps)
-    compiled = run(
-        tiny_dataset, tmp_path, 2, 1, [*steps, "--parallel.tp=2", "--compile.enabled=true"]
-    )
+    compiled = run(tiny_dataset, tmp_path, 2, 1, [*steps, "--parallel.tp=2", *COMPILED])
     assert_close(compiled, single, rtol=1e-5)
 
 

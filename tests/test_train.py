@@ -28,6 +28,10 @@ TINY = [
     "--metrics.log_interval=100",
 ]
 FP32 = ["--parallel.param_dtype=float32"]
+# Compiled blocks for the tests of how compile composes with a feature: Dynamo and AOTAutograd
+# as with Inductor, without generating kernels (a third of the time on CPU). Inductor's own
+# kernels are tested in tests/test_ac_compile.py and tests/test_graph_fsdp.py.
+COMPILED = ["--compile.enabled=true", "--compile.backend=aot_eager"]
 
 
 def train_losses(argv: list[str]) -> list[float]:
