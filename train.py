@@ -64,6 +64,7 @@ from launch.job import JobConfig, OptimizerConfig
 from launch.lifecycle import (
     RunLock,
     StopRequest,
+    exit_process,
     exit_with_launcher,
     set_aside_earlier_attempt,
     setup_logging,
@@ -246,12 +247,8 @@ def train(
         lock.release()
         dist.destroy_process_group()
         # The model, optimizer and checkpointer form reference cycles: freed now, while the
-        # interpreter is whole. This does not end the process groups' C++ threads: once a
-        # DTensor has run, torch keeps the groups alive past destroy_process_group (2-rank
-        # run: all 4 gloo groups' threads, and rank 0's store server, still there after it,
-        # with or without this collect), and they meet the interpreter's shutdown. A rank
-        # once aborted at exit after a clean run ("terminate called without an active
-        # exception", -6, ~1 in 600); not reproduced under stress (BENCHMARKS.md).
+        # interpreter is whole. DTensor's caches still hold the process groups (and their
+        # threads) after this: `python train.py` leaves through launch.lifecycle.exit_process.
         gc.collect()
     if lost is not None:  # raised only now: a traceback through _train would keep it all alive
         raise lost
@@ -902,4 +899,4 @@ def report(env: LaunchEnv, message: str, status: int, everywhere: bool = False) 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # not sys.exit: see its docstring

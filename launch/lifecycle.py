@@ -3,6 +3,7 @@ exit), dying with the launcher, and one trainer per run folder."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import fcntl
 import logging
@@ -12,7 +13,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from parallel.runtime import launched_by_torchrun
 
@@ -142,6 +143,25 @@ def exit_with_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
     if os.getppid() != parent:  # the launcher died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def exit_process(status: int) -> NoReturn:
+    """End this rank with `status`, its run over, without the interpreter's finalization.
+
+    Why: DTensor's caches (the sharding propagator's, the redistribute planner's, and the
+    default arguments `torch.distributed.nn.functional` binds to the default group when DTensor
+    first imports it) keep every DeviceMesh, and through it every process group, alive past
+    `destroy_process_group`: after a 2-rank run each rank still has its 4 gloo groups' 12
+    threads running (tests/test_operations.py counts them). A normal exit then tears the
+    interpreter and the C++ runtime down around live threads, the window of the rare abort
+    "terminate called without an active exception" (-6 after a clean run). os._exit skips that
+    teardown; what a normal exit does first still happens here: the atexit handlers run
+    (logging's flush, TensorBoard's, W&B's, a fork's own) and stdout and stderr are flushed.
+    No thread of ours is left by then (the trainer joins them), so none is cut short."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)
 
 
 class RunLock:

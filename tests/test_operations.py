@@ -361,3 +361,52 @@ def test_end_summary_says_which_step_a_stale_val_loss_is_from() -> None:
     assert "final loss 2.4000, val_loss 2.6100 (step 20), 4,096 tokens seen" in line
     done = RunSummary(100, 100, [2.0], 2.1, 4096, 12.0, None, val_step=100)
     assert "val_loss 2.1000, 4,096" in done.lines(None, checkpoint_interval=0)[0]
+
+
+def train_then_threads(args: list[str]) -> list[str]:
+    """train.main(args) on this rank, then the names of this process's c10d threads."""
+    status = train.main(args)
+    assert status == 0
+    tasks = Path("/proc/self/task")
+    names = [(task / "comm").read_text().strip() for task in tasks.iterdir()]
+    return [name for name in names if "gloo" in name or "tcpstore" in name]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc (Linux)")
+def test_process_groups_outlive_a_finished_run(tiny_dataset: str, tmp_path: Path) -> None:
+    """Why a rank leaves through exit_process: after a clean 2-rank run (train.main returned,
+    destroy_process_group and gc.collect done) DTensor's caches still hold the process groups,
+    whose gloo threads would meet the interpreter's teardown. When this fails, torch frees
+    them: exit_process's os._exit may go (launch/lifecycle.py)."""
+    from tests.distributed import run_distributed
+
+    args = argv(tiny_dataset, tmp_path, "--train.steps=1")[1:]  # without the config file
+    for threads in run_distributed(train_then_threads, 2, args):
+        assert any("gloo" in name for name in threads), threads
+
+
+EXITS = """
+import atexit, sys
+from launch.lifecycle import exit_process
+
+class Finalized:
+    def __del__(self):
+        print("finalized", flush=True)  # runs in the interpreter's teardown, if there is one
+
+kept = Finalized()
+atexit.register(lambda: print("atexit handler ran"))
+print("last line, unflushed", end=" ")
+sys.stderr.write("stderr, unflushed")
+exit_process(3)
+"""
+
+
+def test_exit_process_runs_atexit_flushes_and_skips_the_teardown() -> None:
+    """exit_process(status): the status, the atexit handlers (logging, TensorBoard and W&B
+    flush there) and the buffered output survive; the interpreter's teardown, where c10d's
+    live threads meet a half-destroyed runtime, never runs."""
+    done = subprocess.run([sys.executable, "-c", EXITS], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "last line, unflushed atexit handler ran\n", done.stdout
+    assert done.stderr == "stderr, unflushed"
