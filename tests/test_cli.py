@@ -247,38 +247,52 @@ def test_nonfinite_loss_stops_with_the_step_or_is_skipped(
         )
 
 
+def shipped_dry_run(config: str, nodes: int, per_node: int, cwd: Path) -> str:
+    """What `train.py <config> --dry-run` prints on `nodes` x `per_node` ranks, from `cwd` (a
+    folder of its own: the checkout's outputs/ may hold a run of the same name, whose
+    checkpoint the dry run would read). The debug configs run the command itself; the others
+    run its two steps, check and dry run, in this process (the same functions, without the
+    3-7 s of starting and importing a process for each)."""
+    import contextlib
+    import io
+
+    from configs import parse_config
+    from launch.check import check_config, dry_run
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+
+    if "debug" in config:
+        env = os.environ | {
+            "WORLD_SIZE": str(nodes * per_node), "LOCAL_WORLD_SIZE": str(per_node),
+            "GROUP_WORLD_SIZE": str(nodes),
+        }  # fmt: skip
+        result = subprocess.run(
+            # The documented form (docs/configuration.md): a dry run needs no data, so the
+            # shipped data paths may be absent.
+            [sys.executable, str(ROOT / "train.py"), str(ROOT / config), "--dry-run"],
+            cwd=cwd, capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+    env = LaunchEnv(rank=0, local_rank=0, world_size=nodes * per_node,
+                    local_world_size=per_node, num_nodes=nodes)  # fmt: skip
+    out = io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out):
+        job = parse_config(JobConfig, [str(ROOT / config), "--dry-run"])
+        dry_run(job, check_config(job, env), env)
+    return out.getvalue()
+
+
 @pytest.mark.parametrize(
     ("config", "nodes", "per_node", "mesh"),
     [
         ("configs/debug.toml", 1, 4, "dp_replicate=1 x dp_shard=4"),
-        pytest.param(
-            "configs/llama3_8b.toml", 2, 8, "dp_replicate=2 x dp_shard=8", marks=pytest.mark.slow
-        ),
-        pytest.param(
-            "configs/llama3_70b.toml", 16, 8, "dp_replicate=4 x dp_shard=32", marks=pytest.mark.slow
-        ),
-        pytest.param(
-            "configs/llama3_8b_long.toml",
-            2,
-            8,
-            "dp_replicate=2 x dp_shard=1 x cp=8",
-            marks=pytest.mark.slow,
-        ),
+        ("configs/llama3_8b.toml", 2, 8, "dp_replicate=2 x dp_shard=8"),
+        ("configs/llama3_70b.toml", 16, 8, "dp_replicate=4 x dp_shard=32"),
+        ("configs/llama3_8b_long.toml", 2, 8, "dp_replicate=2 x dp_shard=1 x cp=8"),
     ],
 )
 def test_shipped_configs_resolve_on_their_intended_clusters(
     tmp_path: Path, config: str, nodes: int, per_node: int, mesh: str
 ) -> None:
-    world = nodes * per_node
-    env = os.environ | {
-        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(per_node), "GROUP_WORLD_SIZE": str(nodes),
-    }  # fmt: skip
-    result = subprocess.run(
-        # The documented form (docs/configuration.md): a dry run needs no data, so the shipped
-        # data paths may be absent. From a folder of its own: the checkout's outputs/ may hold a
-        # run of the same name, whose checkpoint the dry run would read.
-        [sys.executable, str(ROOT / "train.py"), str(ROOT / config), "--dry-run"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert mesh in result.stdout
+    assert mesh in shipped_dry_run(config, nodes, per_node, tmp_path)

@@ -229,8 +229,11 @@ FAILURES = {
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "launcher, failure",
-    # A plain `python train.py` is one process: it has no interface to check.
-    [(launcher, failure) for launcher in ("python", "torchrun.sh", "multinode.sh")
+    # A plain `python train.py` is one process: it has no interface to check. multinode.sh
+    # runs torchrun.sh's check on each node: its config and data cases are drills.
+    [pytest.param(launcher, failure, marks=[pytest.mark.drill] * (
+        launcher == "multinode.sh" and failure != "interface"))
+     for launcher in ("python", "torchrun.sh", "multinode.sh")
      for failure in FAILURES if (launcher, failure) != ("python", "interface")],
 )  # fmt: skip
 def test_deterministic_failure_is_one_line_and_exit_2(
@@ -617,7 +620,9 @@ def test_second_launch_on_a_run_folder_in_use_is_refused_and_sigusr1_stops_the_f
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["pid", "process group"])
+@pytest.mark.parametrize(
+    "target", [pytest.param("pid", marks=pytest.mark.drill), "process group"]
+)  # pid: the same PR_SET_PDEATHSIG path, for the agent alone
 def test_kill_9_of_torchrun_ends_its_ranks(
     tiny_dataset: str, tmp_path: Path, launch, target: str
 ) -> None:

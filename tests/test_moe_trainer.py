@@ -20,6 +20,7 @@ from launch.job import JobConfig
 from model import FAMILIES
 from model.qwen3_moe import build_args
 from tests.distributed import run_distributed
+from tests.test_cli import shipped_dry_run
 from tests.test_families import RUN_SHAPE, STEPS, assert_same_run, run_argv, train_run
 from tests.test_train import COMPILED, TINY, train_losses
 
@@ -197,32 +198,20 @@ ROOT = Path(__file__).resolve().parents[1]
     ("config", "nodes", "per_node", "mesh"),
     [
         ("configs/qwen3_moe_debug.toml", 1, 4, "dp_replicate=1 x dp_shard=4 (world size 4)"),
-        pytest.param("configs/qwen3_moe_30b_a3b.toml", 4, 8,
-                     "dp_replicate=1 x dp_shard=32 (ep=8 inside dp_shard) (world size 32)",
-                     marks=pytest.mark.slow),
+        ("configs/qwen3_moe_30b_a3b.toml", 4, 8,
+         "dp_replicate=1 x dp_shard=32 (ep=8 inside dp_shard) (world size 32)"),
     ],
 )  # fmt: skip
 def test_shipped_configs_resolve_on_their_intended_clusters(
     tmp_path: Path, config: str, nodes: int, per_node: int, mesh: str
 ) -> None:
     """`train.py <config> --dry-run` (no data needed) plans the mesh its comment names, and
-    30B-A3B the memory its comment quotes from the planner. From a folder of its own: the
-    checkout's outputs/ may hold a run of the same name, whose checkpoint it would read."""
-    import subprocess
-    import sys
-
-    env = os.environ | {
-        "WORLD_SIZE": str(nodes * per_node), "LOCAL_WORLD_SIZE": str(per_node),
-        "GROUP_WORLD_SIZE": str(nodes),
-    }  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), str(ROOT / config), "--dry-run"], cwd=tmp_path,
-        capture_output=True, text=True, timeout=60, env=env,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert mesh in result.stdout
+    30B-A3B the memory its comment quotes from the planner (tests/test_cli.py's
+    shipped_dry_run)."""
+    stdout = shipped_dry_run(config, nodes, per_node, tmp_path)
+    assert mesh in stdout
     if "30b" in config:
-        [memory] = re.findall(r"estimated memory per rank +(\d+\.\d+ GiB)", result.stdout)
+        [memory] = re.findall(r"estimated memory per rank +(\d+\.\d+ GiB)", stdout)
         assert f"{memory[:-5]} GiB" in (ROOT / config).read_text()  # "53.2 GiB" of "53.23 GiB"
 
 

@@ -23,6 +23,7 @@ from configs import ConfigError
 from model import FAMILIES, ModelConfig, count_params, get_hf_mapping, qwen3, qwen3_hf
 from model.qwen3 import FLAVORS, Qwen3, QwenArgs, build_args, build_model
 from tests.distributed import run_distributed
+from tests.test_cli import shipped_dry_run
 from tests.test_families import run_argv, unit_scale
 from tests.test_train import train_losses
 
@@ -308,27 +309,15 @@ def test_debug_flavor_trains_on_cpu(tied: bool) -> None:
     ("config", "nodes", "per_node", "mesh"),
     [
         ("configs/qwen3_debug.toml", 1, 4, "dp_replicate=1 x dp_shard=4"),
-        pytest.param(
-            "configs/qwen3_8b.toml", 2, 8, "dp_replicate=2 x dp_shard=8", marks=pytest.mark.slow
-        ),
+        ("configs/qwen3_8b.toml", 2, 8, "dp_replicate=2 x dp_shard=8"),
     ],
 )
 def test_shipped_configs_resolve_on_their_intended_clusters(
     tmp_path: Path, config: str, nodes: int, per_node: int, mesh: str
 ) -> None:
     """`train.py <config> --dry-run` (no data needed) plans the intended mesh for the qwen3
-    model of the flavor's size. From a folder of its own: the checkout's outputs/ may hold a
-    run of the same name, whose checkpoint the dry run would read."""
-    env = os.environ | {
-        "WORLD_SIZE": str(nodes * per_node), "LOCAL_WORLD_SIZE": str(per_node),
-        "GROUP_WORLD_SIZE": str(nodes),
-    }  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), str(ROOT / config), "--dry-run"], cwd=tmp_path,
-        capture_output=True, text=True, timeout=60, env=env,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert mesh in result.stdout
+    model of the flavor's size (tests/test_cli.py's shipped_dry_run)."""
+    assert mesh in shipped_dry_run(config, nodes, per_node, tmp_path)
 
 
 @pytest.mark.parametrize("ac", ["op", pytest.param("full", marks=pytest.mark.slow)])
