@@ -4,12 +4,13 @@ it back), and the field docstrings that annotate it and `--help`."""
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import itertools
 import math
 import re
-import textwrap
 from dataclasses import fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -21,15 +22,33 @@ def field_docs(cls: type) -> dict[str, str]:
         if not is_dataclass(klass):
             continue
         try:
-            source = textwrap.dedent(inspect.getsource(klass))
-        except (OSError, TypeError):  # defined in a REPL or exec(): no docs, not an error
+            node = _class_nodes(inspect.getsourcefile(klass) or "")[klass.__qualname__]
+        except (OSError, TypeError, KeyError, SyntaxError):  # a REPL's or exec()'s: no docs
             continue
-        body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+        body = node.body
         for stmt, after in itertools.pairwise(body):  # `name: type = value` then a string
             match stmt, after:
                 case ast.AnnAssign(target=ast.Name(id=name)), ast.Expr(ast.Constant(str(doc))):
                     docs[name] = inspect.cleandoc(doc)
     return docs
+
+
+@functools.cache
+def _class_nodes(path: str) -> dict[str, ast.ClassDef]:
+    """The classes of one source file by qualified name, parsed once: `inspect.getsource` of
+    a class parses its whole module again for each class (~0.35 s for a run's config)."""
+    nodes: dict[str, ast.ClassDef] = {}
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for stmt in body:
+            if isinstance(stmt, ast.ClassDef):
+                nodes[prefix + stmt.name] = stmt
+                visit(stmt.body, f"{prefix}{stmt.name}.")
+            elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(stmt.body, f"{prefix}{stmt.name}.<locals>.")
+
+    visit(ast.parse(Path(path).read_text(encoding="utf-8")).body, "")
+    return nodes
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
