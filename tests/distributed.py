@@ -20,9 +20,10 @@ from typing import Any
 _CTX = mp.get_context("forkserver")
 # The fork server imports torch once; each rank forks from it instead of re-importing (~2 s).
 # Dynamo and Inductor too: train.py does not import them, but every training step does (FSDP2
-# and the compile checks reach them), ~1 s a rank.
+# and the compile checks reach them), ~1 s a rank. Then tests.forkserver_preload freezes the
+# heap those imports made, which no rank's garbage collections need to walk.
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch._inductor",
-                             "train"])  # fmt: skip
+                             "train", "tests.forkserver_preload"])  # fmt: skip
 
 
 def _free_port() -> int:
