@@ -491,31 +491,6 @@ def lines_name(log: str, signame: str, step: int, ranks: int = 2) -> None:
 
 
 @pytest.mark.slow
-def test_torchrun_sh_sighup_saves_the_step_in_flight(
-    tiny_dataset: str, tmp_path: Path, launch
-) -> None:
-    """A terminal that closes or an ssh connection that drops (SIGHUP): torchrun forwards it to
-    the ranks, which stop after the step their line names, save it and exit 0; the launcher
-    exits 129. (SIGQUIT takes the same path: tests/test_operations.py sends it to a rank, and
-    test_every_signal_a_launcher_forwards_stops_the_ranks_cleanly holds the lists equal.)"""
-    signame = "SIGHUP"
-    run = launch.single(tmp_path / "run.log", tiny_args(tiny_dataset, tmp_path, *LONG_RUN))
-    run.wait_for(r"step 5/\d+  loss", timeout=90)
-    ranks = run.worker_pids()
-    start, sig = time.monotonic(), getattr(signal, signame)
-    os.kill(run.procs[0].pid, sig)
-    assert run.wait(timeout=60) == [128 + sig], run.text()[-4000:]
-    gone = time.monotonic() - start
-    assert not any(alive(pid) for pid in ranks.values())
-    log = run.text()
-    step = stopped_and_saved(log, signame, tmp_path / "debug" / "checkpoints")
-    lines_name(log, signame, step)
-    assert STOP_LINE.format(name=signame, status=128 + sig) in log
-    assert "Traceback" not in log, log[-4000:]
-    print(f"{signame}: saved step {step}, torchrun and ranks gone {gone:.1f} s after the signal")
-
-
-@pytest.mark.slow
 def test_torchrun_sh_sigterm_saves_and_the_next_launch_resumes_there(
     tiny_dataset: str, tmp_path: Path, launch
 ) -> None:
@@ -594,12 +569,16 @@ def test_hsdp_sbatch_exits_138_after_sigusr1_saves_and_requeues(
 
 
 @pytest.mark.slow
-def test_second_launch_on_a_run_folder_in_use_is_refused_and_sigusr1_stops_the_first(
+def test_second_launch_on_a_run_folder_in_use_is_refused_and_sighup_stops_the_first(
     tiny_dataset: str, tmp_path: Path, launch
 ) -> None:
     """A second launch/torchrun.sh on the same run folder: one line naming the holder, exit 2,
-    the first run untouched. Then SIGUSR1 to the first torchrun (Slurm's warning signal):
-    its ranks save and exit instead of being orphaned by a torchrun killed by the signal."""
+    the first run untouched. Then SIGHUP to the first torchrun (its terminal closed, an ssh
+    connection dropped): torchrun forwards it to the ranks, which stop after the step their
+    line names, save it and exit 0; the launcher exits 129. (SIGQUIT takes the same path:
+    tests/test_operations.py sends it to a rank, and
+    test_every_signal_a_launcher_forwards_stops_the_ranks_cleanly holds the lists equal;
+    SIGUSR1 through hsdp.sbatch: test_hsdp_sbatch_exits_138_after_sigusr1_saves_and_requeues.)"""
     args = tiny_args(tiny_dataset, tmp_path, *LONG_RUN)
     first = launch.single(tmp_path / "first.log", args)
     first.wait_for(r"step 10/\d+  loss", timeout=90)
@@ -610,13 +589,19 @@ def test_second_launch_on_a_run_folder_in_use_is_refused_and_sigusr1_stops_the_f
     print(f"second launch: exit 2 after {time.monotonic() - start:.1f} s")
     assert first.procs[0].poll() is None, first.text()[-4000:]
 
+    signame, sig = "SIGHUP", signal.SIGHUP
     ranks = first.worker_pids()
     start = time.monotonic()
-    os.kill(first.procs[0].pid, signal.SIGUSR1)
-    first.wait(timeout=60)
+    os.kill(first.procs[0].pid, sig)
+    assert first.wait(timeout=60) == [128 + sig], first.text()[-4000:]
+    gone = time.monotonic() - start
     assert not any(alive(pid) for pid in ranks.values())
-    step = stopped_and_saved(first.text(), "SIGUSR1", tmp_path / "debug" / "checkpoints")
-    print(f"SIGUSR1: saved step {step}, torchrun and ranks gone {time.monotonic() - start:.1f} s")
+    log = first.text()
+    step = stopped_and_saved(log, signame, tmp_path / "debug" / "checkpoints")
+    lines_name(log, signame, step)
+    assert STOP_LINE.format(name=signame, status=128 + sig) in log
+    assert "Traceback" not in log, log[-4000:]
+    print(f"{signame}: saved step {step}, torchrun and ranks gone {gone:.1f} s after the signal")
 
 
 @pytest.mark.slow
