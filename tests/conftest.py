@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+# Inductor compiles in this process, not in a pool of worker processes: each compiling rank
+# would start its own pool (processes importing torch), and the suite keeps both cores busy
+# anyway. Set before any fork server or rank starts: Inductor reads it when imported.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 WORDS = (
     "the model shards every block over the mesh and gathers parameters before each forward "
     "gradients are reduced across ranks then the optimizer updates local shards of weights "

@@ -165,6 +165,7 @@ def launch():
 
 
 @pytest.mark.slow
+@pytest.mark.drill  # two agents train HSDP 2x2 by default in test_elastic.py and under sbatch
 def test_two_torchrun_agents_train_hsdp_2x2(tiny_dataset: str, tmp_path: Path, launch) -> None:
     run = launch.nodes(tmp_path, tiny_args(tiny_dataset, tmp_path, "--train.steps=4"))
     assert run.wait(timeout=120) == [0, 0], run.text()[-4000:]
