@@ -52,6 +52,7 @@ from launch.wandb_run import check_wandb
 from model import ModelFamily, get_family, get_hf_mapping, output_layer, persistent_buffers
 from parallel.ac import ActivationCheckpointConfig
 from parallel.build import build_model
+from parallel.compile import CompileConfig
 from parallel.cp import check_cp
 from parallel.dims import LaunchEnv
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
@@ -295,8 +296,10 @@ def unintended_settings(job: JobConfig) -> list[str]:
         settings = ", ".join(f"optim.muon.{name}={value!r}" for name, value in unused.items())
         verb = "has" if len(unused) == 1 else "have"
         warnings.append(f"{settings} {verb} no effect with optim.name={job.optim.name!r}")
-    if job.compile.moe_regions and not job.compile.enabled:
-        warnings.append("compile.moe_regions=True has no effect with compile.enabled=false")
+    if not job.compile.enabled and (unused := changed_fields(job.compile, CompileConfig())):
+        settings = ", ".join(f"compile.{name}={value!r}" for name, value in unused.items())
+        verb = "has" if len(unused) == 1 else "have"
+        warnings.append(f"{settings} {verb} no effect with compile.enabled=false")
     # Not an error: turning evaluation off for one run (--train.eval_interval=0) keeps the
     # config's tasks, whose files may not be there; but a broken one goes unnoticed until then.
     if job.eval.tasks and job.train.eval_interval <= 0:

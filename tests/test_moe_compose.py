@@ -150,6 +150,11 @@ def test_moe_regions_without_compile_is_a_warning() -> None:
     assert unintended_settings(job) == [
         "compile.moe_regions=True has no effect with compile.enabled=false"
     ]
+    # Any compile setting does nothing without compile: the backend, say.
+    job = parse_config(JobConfig, [*MOE, "--compile.backend=aot_eager", "--compile.loss=false"])
+    assert unintended_settings(job) == [
+        "compile.backend='aot_eager', compile.loss=False have no effect with compile.enabled=false"
+    ]
 
 
 @pytest.mark.slow
