@@ -986,6 +986,7 @@ def test_socket_ifname_must_name_an_interface_of_this_node() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.drill  # the sbatch test runs the preflight across two nodes by default
 def test_preflight_on_four_ranks_split_as_two_nodes(tmp_path: Path) -> None:
     log = tmp_path / "nccl.log"
     log.write_text(NCCL_SOCKET)
