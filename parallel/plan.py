@@ -118,39 +118,13 @@ def plan_communication(
     (compile.fsdp="graph", `graph_buckets`): every unit resharded unless 'never', nothing kept
     gathered between micro-batches, gradients reduced after every micro-batch. `pipelined`:
     `shape` is one pipeline rank's stages (parallel/pp_plan.py `plan_pipeline`)."""
-    units = shape.units
     tokens //= cp  # each cp rank holds 1/cp of every sequence
     s, r = dp_shard * cp, dp_replicate
     e = s * tp // ep if ep > 1 else s  # the experts' FSDP group (expert_shard under EP)
-    pbytes, rbytes = BYTES[param_dtype], BYTES[reduce_dtype]
-    resharded = reshard_plan(len(units) - 1, reshard_after_forward, s, cpu_offload, pipelined)
-    if graph_fsdp:  # the partitioner regathers every weight for backward, the root's too
-        resharded = [reshard_after_forward != "never"] * len(units)
-    # With no unit resharded, the loop keeps them gathered across micro-batches too.
-    kept_all_step = not any(resharded) and not graph_fsdp
-    reductions = grad_accum_steps if graph_fsdp else 1  # no skipped sync inside the graph
-    gather = reduce_scatter = all_reduce = expert_gather = expert_reduce = 0.0
-    n_blocks = len(units) - 1
-    for i, (u, freed) in enumerate(zip(units, resharded, strict=True)):
-        # float8-gathered weights cross as 1 byte; norms, embeddings, output in param_dtype
-        dense = u.shard_numel(s, True, tp, experts=False)
-        dense += u.shard_numel(s, False, tp, experts=False) * pbytes
-        experts = u.shard_numel(s, tp=tp, ep=ep, experts=True) * pbytes
-        # Gathered again in backward: a unit backward runs through, and the block just before
-        # the first one it runs through (prefetched by that one; see the module docstring).
-        # Under EP the experts' own unit frees and gathers with its block.
-        in_backward = u.backward or (i + 1 < n_blocks and units[i + 1].backward)
-        passes = 2 if freed and in_backward else 1
-        if not kept_all_step:
-            passes *= grad_accum_steps
-        gather += passes * (s - 1) * dense
-        expert_gather += passes * (e - 1) * experts
-        # Frozen parameters have no gradient to reduce.
-        dense_grad = u.shard_numel(s, tp=tp, trainable_only=True, experts=False) * rbytes
-        expert_grad = u.shard_numel(s, tp=tp, trainable_only=True, ep=ep, experts=True) * rbytes
-        reduce_scatter += reductions * (s - 1) * dense_grad  # (S-1)/S of the padded gradient
-        expert_reduce += (e - 1) * expert_grad
-        all_reduce += reductions * 2 * (r - 1) / r * (dense_grad + expert_grad)
+    gather, reduce_scatter, all_reduce, expert_gather, expert_reduce = _fsdp_traffic(
+        shape, s, r, e, param_dtype, reduce_dtype, reshard_after_forward, grad_accum_steps,
+        cpu_offload, tp, ep, graph_fsdp, pipelined,
+    )  # fmt: skip
     comm = {
         "dp_shard": {"all_gather": gather, "reduce_scatter": reduce_scatter},
         "dp_replicate": {"all_reduce": all_reduce},
@@ -181,6 +155,57 @@ def plan_communication(
             for shape_, matrices in muon_buckets(shape).items()
         )
     return comm
+
+
+def _fsdp_traffic(
+    shape: ModelShape,
+    s: int,
+    r: int,
+    e: int,
+    param_dtype: str,
+    reduce_dtype: str,
+    reshard_after_forward: Reshard,
+    grad_accum_steps: int,
+    cpu_offload: bool,
+    tp: int,
+    ep: int,
+    graph_fsdp: bool,
+    pipelined: bool,
+) -> tuple[float, float, float, float, float]:
+    """`plan_communication`'s FSDP bytes per rank and step, summed over the units: the dense
+    all-gathers and reduce-scatters over the shard group of `s` ranks, the all-reduce over `r`
+    replicas, and the experts' all-gathers and reduce-scatters over their group of `e`."""
+    units = shape.units
+    pbytes, rbytes = BYTES[param_dtype], BYTES[reduce_dtype]
+    resharded = reshard_plan(len(units) - 1, reshard_after_forward, s, cpu_offload, pipelined)
+    if graph_fsdp:  # the partitioner regathers every weight for backward, the root's too
+        resharded = [reshard_after_forward != "never"] * len(units)
+    # With no unit resharded, the loop keeps them gathered across micro-batches too.
+    kept_all_step = not any(resharded) and not graph_fsdp
+    reductions = grad_accum_steps if graph_fsdp else 1  # no skipped sync inside the graph
+    gather = reduce_scatter = all_reduce = expert_gather = expert_reduce = 0.0
+    n_blocks = len(units) - 1
+    for i, (u, freed) in enumerate(zip(units, resharded, strict=True)):
+        # float8-gathered weights cross as 1 byte; norms, embeddings, output in param_dtype
+        dense = u.shard_numel(s, True, tp, experts=False)
+        dense += u.shard_numel(s, False, tp, experts=False) * pbytes
+        experts = u.shard_numel(s, tp=tp, ep=ep, experts=True) * pbytes
+        # Gathered again in backward: a unit backward runs through, and the block just before
+        # the first one it runs through (prefetched by that one; see the module docstring).
+        # Under EP the experts' own unit frees and gathers with its block.
+        in_backward = u.backward or (i + 1 < n_blocks and units[i + 1].backward)
+        passes = 2 if freed and in_backward else 1
+        if not kept_all_step:
+            passes *= grad_accum_steps
+        gather += passes * (s - 1) * dense
+        expert_gather += passes * (e - 1) * experts
+        # Frozen parameters have no gradient to reduce.
+        dense_grad = u.shard_numel(s, tp=tp, trainable_only=True, experts=False) * rbytes
+        expert_grad = u.shard_numel(s, tp=tp, trainable_only=True, ep=ep, experts=True) * rbytes
+        reduce_scatter += reductions * (s - 1) * dense_grad  # (S-1)/S of the padded gradient
+        expert_reduce += (e - 1) * expert_grad
+        all_reduce += reductions * 2 * (r - 1) / r * (dense_grad + expert_grad)
+    return gather, reduce_scatter, all_reduce, expert_gather, expert_reduce
 
 
 def muon_buckets(shape: ModelShape) -> dict[tuple[int, ...], list[int]]:
@@ -398,6 +423,25 @@ def _moe_kept(block: BlockShape, dim: int, op: bool) -> float:
     return routed + (experts.shared.kept() if experts.shared else 0)
 
 
+def _muon_memory(
+    shape: ModelShape, dp_shard: int, tp: int, ep: int, muon_dtype: str | None
+) -> tuple[float, float]:
+    """`plan_memory`'s Muon terms: the optimizer bytes Muon's matrices save against AdamW's
+    (one float32 buffer, no second moment and no step), and an owner's whole matrices."""
+    if muon_dtype is None:
+        return 0.0, 0.0
+    units = shape.units
+    muon = sum(u.shard_numel(dp_shard, tp=tp, trainable_only=True, ep=ep, muon=True)
+               for u in units)  # fmt: skip
+    n_muon = sum(sum(m and t for m, t in zip(u.muon, u._trains(), strict=True))
+                 for u in units if u.muon)  # fmt: skip
+    # Unsplit (one rank per group), each matrix is orthogonalized on its own.
+    n = tp if tp > 1 else dp_shard
+    held = [(math.ceil(len(m) / n) if n > 1 else 1) * math.prod(s)
+            for s, m in muon_buckets(shape).items()]  # fmt: skip
+    return 4 * muon + 4 * n_muon, 2 * max(held, default=0) * BYTES[muon_dtype]
+
+
 def plan_memory(
     shape: ModelShape,
     dp_shard: int,
@@ -455,18 +499,8 @@ def plan_memory(
     # A chunked loss (train.loss_chunk_tokens, parallel/loss.py) holds one chunk's logits.
     logits = min(tokens, loss_chunk_tokens or tokens) * shape.vocab_size / tp
     optimizer = 8 * trained + 4 * n_tensors
-    owner = 0.0
-    if muon_dtype is not None:
-        muon = sum(u.shard_numel(dp_shard, tp=tp, trainable_only=True, ep=ep, muon=True)
-                   for u in units)  # fmt: skip
-        n_muon = sum(sum(m and t for m, t in zip(u.muon, u._trains(), strict=True))
-                     for u in units if u.muon)  # fmt: skip
-        optimizer -= 4 * muon + 4 * n_muon  # one buffer, no second moment and no step
-        # Unsplit (one rank per group), each matrix is orthogonalized on its own.
-        n = tp if tp > 1 else dp_shard
-        held = [(math.ceil(len(m) / n) if n > 1 else 1) * math.prod(s)
-                for s, m in muon_buckets(shape).items()]  # fmt: skip
-        owner = 2 * max(held, default=0) * BYTES[muon_dtype]
+    saved, owner = _muon_memory(shape, dp_shard, tp, ep, muon_dtype)
+    optimizer -= saved
     mem = {
         "params": 4 * shard,
         "grads": 4 * trained,
