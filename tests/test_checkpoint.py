@@ -444,13 +444,13 @@ MANIFEST_WHY = {
     "manifest-without-a-file": "lists no size and checksum for __0_0.distcp, a data file of the "
     "checkpoint",
 }
-# The quick tier takes the damage only the content check finds (its size is right), and the
-# issue's COMPLETE that is not JSON; the full suite adds a truncated shard. Every other kind is
-# found by the same file checks before any process group (check_files), which the launcher's
-# check below runs in this process for every kind: a trainer run per kind would add minutes
-# and test nothing those runs do not.
-QUICK = ("flipped-byte", "manifest-not-json")
-RUN_KINDS = [*QUICK, pytest.param("truncated-distcp", marks=pytest.mark.drill)]
+# Trainer runs on a damaged newest checkpoint: the issue's COMPLETE that is not JSON here, the
+# damage only the content check finds (a flipped byte: its size is right) in
+# test_a_fallback_resumes_the_previous_step_and_compares_changes_with_it, a truncated shard in
+# the drills. Every other kind is found by the same file checks before any process group
+# (check_files), which the launcher's check below runs in this process for every kind: a
+# trainer run per kind would add minutes and test nothing those runs do not.
+RUN_KINDS = ["manifest-not-json", pytest.param("truncated-distcp", marks=pytest.mark.drill)]
 
 
 def copy_checkpoints(out: Path, name: str) -> Path:
@@ -531,9 +531,9 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     """resume=auto skips a damaged step 8 with one warning naming the file, resumes step 4 and
     trains on exactly: the step-8 checkpoint it saves anew equals the straight run's (weights,
     optimizer, schedule, data position, counters). Truncations, a missing file and a COMPLETE
-    that is not a manifest of every file are found before the process group; the flipped byte
-    alone only by the checksums, after it (rank 1 sums that file). No line says it resumes
-    step 8, and saving over the damaged step 8 (deliberate) draws no torch warning."""
+    that is not a manifest of every file are found before the process group; a flipped byte
+    only by the checksums, after it (the test after this one). No line says it resumes step
+    8, and saving over the damaged step 8 (deliberate) draws no torch warning."""
     _, out = sync_run
     name = f"damaged-{kind}"
     folder = copy_checkpoints(out, name)
@@ -560,13 +560,15 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     assert_intact(folder / "step-8")
 
 
-@pytest.mark.slow
-def test_changes_after_a_fallback_are_those_of_the_checkpoint_resumed(
-    sync_run: tuple[list, Path], tiny_dataset: str
+def test_a_fallback_resumes_the_previous_step_and_compares_changes_with_it(
+    sync_run: tuple[list, Path], tiny_dataset: str, tmp_path: Path
 ) -> None:
-    """Step 8 saved by a resume at another lr, then damaged (a flipped byte: found after the
-    process group, where check_config had read step 8's config fine): the run falls back to
-    step 4, and its 'changed since the checkpoint' line compares with step 4's lr, not step 8's."""
+    """Step 8 saved by a resume at another lr, then damaged by a flipped byte (the damage only
+    the checksums find, after the process group, where check_config had read step 8's config
+    fine): resume=auto skips it with one warning naming the file, resumes step 4, and its
+    'changed since the checkpoint' line compares with step 4's lr, not step 8's. It trains on
+    exactly: the step 8 it saves anew equals the one that was damaged, entry for entry (no
+    line says it resumes step 8; saving over it, deliberately, draws no torch warning)."""
     _, out = sync_run
     name = "fallback-changes"
     folder = out / name / "checkpoints"
@@ -576,13 +578,23 @@ def test_changes_after_a_fallback_are_those_of_the_checkpoint_resumed(
     assert lines_with(
         first.stderr, "changed since the checkpoint, applied: optim.lr: 0.003 -> 0.02"
     )
+    before = load_everything(folder / "step-8", tmp_path)
     file, damage = DAMAGE["flipped-byte"]
     damage(folder / "step-8" / file)
     again = run_cli(argv(tiny_dataset, out, name, *SAVE_EVERY_4, "--optim.lr=0.02"))
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resuming {folder / 'step-4'} at step 4" in again.stderr
+    [warning] = lines_with(again.stderr, "] WARNING ")
+    assert f"skipping damaged {folder / 'step-8'}: {folder / 'step-8' / file} " in warning
+    [resuming] = lines_with(again.stderr, "resuming ")
+    assert f"resuming {folder / 'step-4'} at step 4 of {STEPS} (all state, " in resuming
+    assert again.stderr.index(warning) < again.stderr.index(resuming)
+    assert "Traceback" not in again.stderr and "Detected an existing checkpoint" not in (
+        again.stderr
+    )
     changes = lines_with(again.stderr, "changed since the checkpoint")
     assert changes and changes[0].endswith("applied: optim.lr: 0.003 -> 0.02"), again.stderr
+    assert_same_entries(before, load_everything(folder / "step-8", tmp_path))
+    assert_intact(folder / "step-8")
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))
