@@ -290,16 +290,20 @@ def test_missing_torchrun_is_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "script", ["train.py", "torchrun.sh", pytest.param("multinode.sh", marks=pytest.mark.drill)]
-)
+    "script",
+    [
+        "train.py",
+        *(pytest.param(s, marks=pytest.mark.drill) for s in ("torchrun.sh", "multinode.sh")),
+    ],
+)  # the launchers' case runs by default under sbatch (test_sbatch_hsdp_two_nodes_...)
 def test_launchers_resolve_relative_paths_from_where_they_are_started(
     tiny_dataset: str, tmp_path: Path, script: str
 ) -> None:
     """`cd elsewhere && /path/to/launch/SCRIPT my.toml` (or `python /path/to/train.py`): the
     config, data.path and run.output_dir are the user's relative paths, from the user's
-    directory, not the repo's.
-    (hsdp.sbatch: test_sbatch_hsdp_two_nodes_trains_checkpoints_and_resumes submits from a
-    folder of its own.) A folder named like the trainer's packages there shadows nothing."""
+    directory, not the repo's. A folder named like the trainer's packages there shadows
+    nothing. (hsdp.sbatch: test_sbatch_hsdp_two_nodes_trains_checkpoints_and_resumes submits
+    from a folder of its own, with such a folder.)"""
     (tmp_path / "data").symlink_to(tiny_dataset)
     (tmp_path / "launch").mkdir()  # would shadow `-m launch.check` if the cwd came first
     (tmp_path / "launch" / "check.py").write_text("raise SystemExit('shadowed')\n")
@@ -830,8 +834,9 @@ def test_sbatch_hsdp_two_nodes_trains_checkpoints_and_resumes(
     slurm: Path, tiny_dataset: str, tmp_path: Path
 ) -> None:
     """The documented command, config file first: 2 nodes x 2 ranks train HSDP 2x2 and save.
-    Submitted again from another directory, with paths relative to it and tensor parallel
-    inside each node (`--parallel.tp=2`, as docs/launch.md's 70B example), the job resumes."""
+    Submitted again from another directory, with paths relative to it (and a `launch/` and a
+    `train.py` there, which must shadow nothing) and tensor parallel inside each node
+    (`--parallel.tp=2`, as docs/launch.md's 70B example), the job resumes."""
     train = tiny_args(tiny_dataset, tmp_path, "--checkpoint.interval=2", "--train.steps=4")
     preflight = {"PREFLIGHT": "1", "PREFLIGHT_ARGS": "--size-mb=1 --iters=2"}
     log = sbatch(slurm, tmp_path / "first.out", ["configs/debug.toml", *train],
@@ -843,7 +848,11 @@ def test_sbatch_hsdp_two_nodes_trains_checkpoints_and_resumes(
     assert (tmp_path / "debug" / "checkpoints" / "step-4" / "COMPLETE").exists()
 
     # Slurm runs a spooled copy of the script: it must not look for the repo next to itself.
+    # Modules named like the trainer's in the submission directory shadow nothing.
     (tmp_path / "my.toml").write_text((ROOT / "configs" / "debug.toml").read_text())
+    (tmp_path / "launch").mkdir()
+    for shadow in ("launch/__init__.py", "launch/check.py", "train.py"):
+        (tmp_path / shadow).write_text(f"raise SystemExit('shadowed: {shadow}')\n")
     train = tiny_args(tiny_dataset, Path("."), "--checkpoint.interval=2", "--train.steps=6")
     log = sbatch(slurm, tmp_path / "second.out", ["my.toml", *train, "--parallel.tp=2"],
                  cwd=tmp_path, script=str(ROOT / "launch" / "hsdp.sbatch"))  # fmt: skip
