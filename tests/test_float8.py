@@ -283,6 +283,7 @@ def test_fp8_loss_tracks_bf16_for_30_steps(tiny_dataset: str, tmp_path: Path) ->
 
 
 @pytest.mark.slow
+@pytest.mark.drill  # fp8 under HSDP 2x2 runs by default in test_fsdp_all_gathers_float8_weights
 def test_fp8_with_hsdp_2x2_matches_fsdp(tiny_dataset: str, tmp_path: Path) -> None:
     from tests.test_train import train_losses
 
