@@ -11,6 +11,11 @@ import pytest
 # would start its own pool (processes importing torch), and the suite keeps both cores busy
 # anyway. Set before any fork server or rank starts: Inductor reads it when imported.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# One intra-op thread in the test processes and every process they start (torchrun.sh and
+# multinode.sh keep a set OMP_NUM_THREADS): two workers, each with ranks of its own, already
+# keep both cores busy, and a second thread per process only waits for its turn (-15% CPU and
+# wall on the in-process tests, BENCHMARKS.md). The ranks of tests/distributed.py set it too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 WORDS = (
     "the model shards every block over the mesh and gathers parameters before each forward "
