@@ -24,13 +24,16 @@ WORDS = (
 ).split()
 
 
-# The files that take longest, longest first (BENCHMARKS.md, "Test suite"): xdist's two
-# workers take whole files in collection order, so these start at once and the many short files
-# fill in beside them, instead of a long file starting last and running alone at the end.
+# The files that take longest, longest first (worker-seconds at 9172967, BENCHMARKS.md "The
+# test suite on 2 cores"): xdist's two workers take whole files in collection order
+# (`--no-loadscope-reorder` in pyproject.toml: xdist would otherwise order files by their
+# number of tests), so these start at once and the many short files fill in beside them,
+# instead of a long file starting late and running alone at the end. test_launch.py (waits on
+# signals and timeouts) first, beside test_graph_fsdp.py (compiling: all CPU).
 SLOWEST_FIRST = (
-    "test_graph_fsdp.py", "test_launch.py", "test_muon.py", "test_elastic.py",
-    "test_families.py", "test_tp.py", "test_moe_compose.py", "test_finetune_hf.py",
-    "test_readme.py", "test_checkpoint.py", "test_health.py",
+    "test_launch.py", "test_graph_fsdp.py", "test_checkpoint.py", "test_families.py",
+    "test_pp.py", "test_tp.py", "test_float8.py", "test_moe_compose.py", "test_operations.py",
+    "test_finetune.py", "test_cp.py", "test_elastic.py", "test_muon.py", "test_health.py",
 )  # fmt: skip
 
 
