@@ -24,22 +24,10 @@ WORDS = (
 ).split()
 
 
-# The files that take longest, longest first (worker-seconds at 9172967, BENCHMARKS.md "The
-# test suite on 2 cores"): xdist's two workers take whole files in collection order
-# (`--no-loadscope-reorder` in pyproject.toml: xdist would otherwise order files by their
-# number of tests), so these start at once and the many short files fill in beside them,
-# instead of a long file starting late and running alone at the end. test_launch.py (waits on
-# signals and timeouts) first, beside test_graph_fsdp.py (compiling: all CPU).
-SLOWEST_FIRST = (
-    "test_launch.py", "test_graph_fsdp.py", "test_checkpoint.py", "test_families.py",
-    "test_pp.py", "test_tp.py", "test_float8.py", "test_moe_compose.py", "test_operations.py",
-    "test_finetune.py", "test_cp.py", "test_elastic.py", "test_muon.py", "test_health.py",
-)  # fmt: skip
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    first = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: files keep order
+# No ordering of our own: xdist's file scheduling (--dist loadfile) starts the files with the
+# most tests first, which here keeps the compiling files apart. Taking the longest files first
+# instead (--no-loadscope-reorder) ran them side by side and took 763 s of tests against 689 s,
+# with 10% more CPU (BENCHMARKS.md, "The test suite on 2 cores", 2026-11-28).
 
 
 @pytest.fixture
