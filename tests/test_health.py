@@ -113,11 +113,12 @@ def test_a_frozen_rank_is_named_and_the_run_exits_without_orphans(
     launch,  # noqa: F811
 ) -> None:
     """SIGSTOP one of 2 ranks: the other ends with one line naming it, within the steady-state
-    timeout + 15 s; the launcher exits 1, no traceback, and the frozen rank is gone."""
+    timeout + 15 s; the launcher exits 1, no traceback, and the frozen rank is gone (SIGKILLed
+    1 s after the failure: FAILURE_GRACE_S, 5 by default)."""
     args = tiny_args(tiny_dataset, tmp_path, "--train.steps=4000", "--metrics.log_interval=1",
-                     "--parallel.step_timeout_s=8", "--health.heartbeat_interval_s=1",
+                     "--parallel.step_timeout_s=6", "--health.heartbeat_interval_s=1",
                      "--parallel.device=cpu")  # fmt: skip
-    run = launch.single(tmp_path / "run.log", args)
+    run = launch.single(tmp_path / "run.log", args, FAILURE_GRACE_S="1")
     run.wait_for(r"step 3/\d+  loss", timeout=120)
     frozen = run.worker_pid(rank=1)
     os.kill(frozen, signal.SIGSTOP)
@@ -128,16 +129,16 @@ def test_a_frozen_rank_is_named_and_the_run_exits_without_orphans(
     assert codes == [1], (codes, log[-3000:])
     # torch 2.11's agent keeps torchrun's 30 s before SIGKILL (launch/agent.py).
     grace = 15 if "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters else 35
-    assert elapsed < 8 + grace, elapsed
+    assert elapsed < 6 + grace, elapsed
     assert not alive(frozen)
     assert "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]
     lines = [line for line in log.splitlines() if "hang:" in line]
     # The step's phases, or "log": at log_interval=1 rank 0 may wait in the straggler all-gather.
     pattern = (r"\[rank0\] ERROR hang: rank 0 at step (\d+) \((forward|backward|optimizer|log)\) "
-               r"timed out after 8 s in (all-gather|reduce-scatter|all-reduce); behind: "
+               r"timed out after 6 s in (all-gather|reduce-scatter|all-reduce); behind: "
                r"rank 1 last reported step (\d+) \(\w+\) (\d+) s ago$")  # fmt: skip
     assert len(lines) == 1 and (m := re.search(pattern, lines[0])), log[-3000:]
-    # Named because its file is stale (older than 2 x 1 s + 1 s); not the full 8 s: rank 0 may
+    # Named because its file is stale (older than 2 x 1 s + 1 s); not the full 6 s: rank 0 may
     # have started waiting for rank 1 a moment before the SIGSTOP.
     assert int(m[4]) <= int(m[1]) and int(m[5]) > 3, lines[0]
     # Afterwards, the run folder says it too.
