@@ -295,6 +295,8 @@ class StepResult:
     """Some rank was asked to stop: every rank stops after this step."""
     node_lost: bool
     """Some rank's launcher died (its node is lost): the stop must end in a restart."""
+    saved: bool
+    """Some rank's async save finished: every rank finishes it after this step."""
     scalars: dict[str, float]
     """The model's own scalars to log (the family's step terms), at a log step."""
     wait_s: float = 0.0
@@ -465,11 +467,12 @@ def setup(
 
 
 def train_step(
-    run: Run, micro_batches: list[MicroBatch], log: bool, stop: StopRequest
+    run: Run, micro_batches: list[MicroBatch], log: bool, stop: StopRequest, saved: bool
 ) -> StepResult:
     """One optimizer step over the step's micro-batches: the loss normalized by the step's
     target tokens over all ranks, gradients accumulated and clipped, one all-reduce for the
-    loss, the stop flag and the model's statistics, then the update (unless non-finite)."""
+    loss, the stop flags, whether an async save finished (`saved`, on this rank) and the
+    model's statistics, then the update (unless non-finite)."""
     model, t, tp, cp, dp_size = run.model, run.job.train, run.plan.tp, run.plan.cp, run.dp_size
     # Normalize by the *global* number of target tokens of the step, so the loss and the
     # gradients are the same for any micro-batching and any mesh shape.
@@ -491,17 +494,18 @@ def train_step(
     else:
         loss_sum, stats = accumulate(run, micro_batches, global_tokens, step)
     grad_norm = clip_grad_norm(model, t.max_grad_norm, run.pipeline)
-    # The stop flags (asked to stop; a launcher died) and the model's statistics ride on the
-    # loss all-reduce: every rank stops after the same step, also one that the signal did not
-    # reach, with no extra collective. Read now, not when the step began: a signal during this
-    # step's forward or backward stops the run after this step, as its line says.
-    flags = torch.tensor(stop.read(), dtype=torch.float32, device=loss_sum.device)
+    # The stop flags (asked to stop; a launcher died), the async save's and the model's
+    # statistics ride on the loss all-reduce: every rank stops after the same step, also one
+    # that the signal did not reach, and finishes a save (raising its error) after the same
+    # step, also one whose part of it is not done yet, with no extra collective. Read now, not
+    # when the step began: a signal during this step stops the run after it, as its line says.
+    flags = torch.tensor([*stop.read(), saved], dtype=torch.float32, device=loss_sum.device)
     summed = torch.cat([loss_sum.view(1), flags,
                         stats if stats is not None else loss_sum.new_zeros(0)])  # fmt: skip
     dist.all_reduce(summed)
-    # One device-to-host copy for the four values every rank needs now.
-    needed = torch.cat([summed[:3], grad_norm.view(1)]).tolist()
-    loss_value, stop_value, lost_value, norm_value = needed
+    # One device-to-host copy for the five values every rank needs now.
+    needed = torch.cat([summed[:4], grad_norm.view(1)]).tolist()
+    loss_value, stop_value, lost_value, saved_value, norm_value = needed
     stop.decided(step, stop_value > 0)
     if math.isfinite(loss_value) and math.isfinite(norm_value):
         run.optimizer.step()
@@ -509,11 +513,13 @@ def train_step(
     else:
         non_finite(run, loss_value, norm_value)
     # Every tp rank added the same statistics: / tp.
-    scalars = run.built.after_step(summed[3:] / tp if stats is not None else None, log)
+    scalars = run.built.after_step(summed[4:] / tp if stats is not None else None, log)
     run.optimizer.zero_grad(set_to_none=True)
     lr = run.optimizer.param_groups[0]["lr"]
     run.scheduler.step()
-    return StepResult(loss_value, norm_value, lr, stop_value > 0, lost_value > 0, scalars, wait_s)
+    return StepResult(
+        loss_value, norm_value, lr, stop_value > 0, lost_value > 0, saved_value > 0, scalars, wait_s
+    )
 
 
 def accumulate(
@@ -629,7 +635,7 @@ def loop(
         log = step % job.metrics.log_interval == 0 or step == t.steps
         # One step (by default none) under torch.profiler: see metrics.profile_step.
         with profile_step(job.metrics, step, run_dir, run.env.rank):
-            result = train_step(run, micro_batches, log, stop)
+            result = train_step(run, micro_batches, log, stop, checkpointer.save_done)
         end.losses.append(result.loss)
         progress.step = step
         progress.samples_seen += t.global_batch_size
@@ -656,7 +662,8 @@ def loop(
             timer.lap()  # evaluation time is not training throughput
         # After the optimizer step, so the checkpoint of step N holds N updates.
         beat(step, "checkpoint")
-        if checkpointer.maybe_save(step, states, last=step == t.steps or result.stop):
+        last = step == t.steps or result.stop
+        if checkpointer.maybe_save(step, states, last=last, finish=result.saved):
             end.saved = step_dir(checkpointer.folder, step)
             timer.lap()  # nor is saving: its time is logged on its own line
         if result.stop:

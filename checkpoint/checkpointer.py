@@ -152,10 +152,18 @@ class Checkpointer:
             )  # fmt: skip
         return damaged
 
-    def maybe_save(self, step: int, states: dict[str, Any], last: bool) -> bool:
-        """Save if `step` is due (returns whether it did); first finish an async save that is
-        done, without blocking on one that is not."""
-        if self.in_flight is not None and self.in_flight.future.done():
+    @property
+    def save_done(self) -> bool:
+        """This rank's part of the async save in flight is done (for the step's all-reduce)."""
+        return self.in_flight is not None and self.in_flight.future.done()
+
+    def maybe_save(self, step: int, states: dict[str, Any], last: bool, finish: bool) -> bool:
+        """Save if `step` is due (returns whether it did). First, when some rank's async save
+        is done (`finish`: the step's all-reduce of `save_done`), finish it here too, waiting
+        for this rank's part: every rank then raises a failed save's error after the same
+        step. Deciding alone, a rank whose part was done first stopped, and a peer whose part
+        was not went on into the next step's collectives and lost it ("peer lost")."""
+        if self.in_flight is not None and finish:
             self._finish()
         if not self.cfg.interval or (step % self.cfg.interval and not last):
             return False
