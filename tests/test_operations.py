@@ -129,11 +129,13 @@ def signalled_run(argv: list[str], signame: str, at_step: int, when: str) -> tup
         if armed:  # the first module of the step's forward
             os.kill(os.getpid(), getattr(signal, armed.pop()))
 
-    def step_and_signal(run: train.Run, micro_batches: list, log: bool, stop: StopRequest):
+    def step_and_signal(
+        run: train.Run, micro_batches: list, log: bool, stop: StopRequest, saved: bool
+    ) -> train.StepResult:
         signalled = env.rank == 1 and run.progress.step + 1 == at_step
         if signalled and when == "compute":
             armed.append(signame)
-        result = real_step(run, micro_batches, log, stop)
+        result = real_step(run, micro_batches, log, stop, saved)
         if signalled and when == "update":
             os.kill(os.getpid(), getattr(signal, signame))
         return result

@@ -441,10 +441,10 @@ def train_stopped_by_the_last_stage(argv: list[str]) -> list[float]:
 
     step = train.train_step
 
-    def stop_on_the_last_stage(run: Any, batches: Any, log: bool, stop: Any) -> Any:
+    def stop_on_the_last_stage(run: Any, batches: Any, log: bool, stop: Any, saved: bool) -> Any:
         if run.pipeline is not None and run.pipeline.holds_last and run.progress.step == 2:
             stop._handle(signal.SIGUSR1, None)  # as if delivered to this rank alone
-        return step(run, batches, log, stop)
+        return step(run, batches, log, stop, saved)
 
     train.train_step = stop_on_the_last_stage
     assert os.environ["RANK"] in ("0", "1")
