@@ -464,6 +464,20 @@ def lines_with(text: str, needle: str) -> list[str]:
     return [line for line in text.splitlines() if needle in line]
 
 
+def assert_fell_back_to_step_4(result: Any, folder: Path, file: str) -> None:
+    """The run went on from step 4: one warning naming the damaged file of step 8 first, then
+    the line that resumes step 4; no traceback, and saving over step 8 drew no torch warning."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    [warning] = lines_with(result.stderr, "] WARNING ")
+    assert f"skipping damaged {folder / 'step-8'}: {folder / 'step-8' / file} " in warning
+    [resuming] = lines_with(result.stderr, "resuming ")
+    assert f"resuming {folder / 'step-4'} at step 4 of {STEPS} (all state, " in resuming
+    assert result.stderr.index(warning) < result.stderr.index(resuming)
+    assert "Traceback" not in result.stderr and "Detected an existing checkpoint" not in (
+        result.stderr
+    )
+
+
 def assert_intact(path: Path) -> None:
     """Every file of the manifest is there with its size and checksum."""
     check_files(path)
@@ -541,15 +555,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     damage(folder / "step-8" / file)
 
     result = run_cli(argv(tiny_dataset, out, name, *SAVE_EVERY_4))
-    assert result.returncode == 0, result.stderr[-3000:]
-    [warning] = lines_with(result.stderr, "] WARNING ")
-    assert f"skipping damaged {folder / 'step-8'}: {folder / 'step-8' / file} " in warning
-    [resuming] = lines_with(result.stderr, "resuming ")
-    assert f"resuming {folder / 'step-4'} at step 4 of {STEPS} (all state, " in resuming
-    assert result.stderr.index(warning) < result.stderr.index(resuming)
-    assert "Traceback" not in result.stderr and "Detected an existing checkpoint" not in (
-        result.stderr
-    )
+    assert_fell_back_to_step_4(result, folder, file)
     again = load_everything(folder / "step-8", tmp_path)
     straight = load_everything(ckpt(out, "sync", 8), tmp_path)
     # Not the CPU RNG state: a resumed run draws once more from it (iter(loader) takes a base
@@ -582,15 +588,7 @@ def test_a_fallback_resumes_the_previous_step_and_compares_changes_with_it(
     file, damage = DAMAGE["flipped-byte"]
     damage(folder / "step-8" / file)
     again = run_cli(argv(tiny_dataset, out, name, *SAVE_EVERY_4, "--optim.lr=0.02"))
-    assert again.returncode == 0, again.stderr[-3000:]
-    [warning] = lines_with(again.stderr, "] WARNING ")
-    assert f"skipping damaged {folder / 'step-8'}: {folder / 'step-8' / file} " in warning
-    [resuming] = lines_with(again.stderr, "resuming ")
-    assert f"resuming {folder / 'step-4'} at step 4 of {STEPS} (all state, " in resuming
-    assert again.stderr.index(warning) < again.stderr.index(resuming)
-    assert "Traceback" not in again.stderr and "Detected an existing checkpoint" not in (
-        again.stderr
-    )
+    assert_fell_back_to_step_4(again, folder, file)
     changes = lines_with(again.stderr, "changed since the checkpoint")
     assert changes and changes[0].endswith("applied: optim.lr: 0.003 -> 0.02"), again.stderr
     assert_same_entries(before, load_everything(folder / "step-8", tmp_path))
