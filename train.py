@@ -407,7 +407,7 @@ def setup(
     expert_mesh = None
     if plan.ep > 1:  # the experts split over groups of ep ranks of a replica's dp_shard x cp x tp
         ranks = plan.dp_shard * plan.cp * plan.tp
-        expert_mesh = build_expert_mesh(device, plan.dp_replicate, ranks, plan.ep)
+        expert_mesh = build_expert_mesh(device, plan.dp_replicate, ranks, plan.ep, plan.pp)
     built = build_model(plan.family, plan.args, job, mesh, expert_mesh, list(plan.stage_sizes))
     model = built.model
     if env.rank == 0 and job.lora.enabled:

@@ -212,30 +212,38 @@ def _pipeline_columns(
     seconds: dict[str, float],
 ) -> dict[str, str]:
     """Add a column per --pp degree (FSDP over each stage's GPUs, and with each --tp inside a
-    node): the pp rank with the most memory (parallel/pp_plan.py). Its seconds add the bubble,
+    node, and each --ep of a mixture of experts: EP groups inside a stage's GPUs): the pp rank
+    with the most memory (parallel/pp_plan.py). Its seconds add the bubble,
     the idle share of a step whose compute takes 6 x active parameters x tokens / --tflops.
     Returns each column's bubble, as text."""
     world, bubbles = a.nodes * a.gpus_per_node, {}
     compute = 6 * shape.active_numel() * a.batch * a.seq_len * a.grad_accum / (a.tflops * 1e12)
+    eps = [1, *(e for e in a.ep if e > 1 and shape.n_experts and shape.n_experts % e == 0)]
     for pp in a.pp:
-        for tp in [1, *(t for t in a.tp if t > 1 and a.gpus_per_node % t == 0)]:
+        tps = [1, *(t for t in a.tp if t > 1 and a.gpus_per_node % t == 0)]
+        for tp, ep in ((t, e) for t in tps for e in eps):
             if pp < 2 or world % (pp * tp) or shape.n_layers < pp:
                 continue
             shard, micro = world // (pp * tp), a.grad_accum * tp * pp  # the same global batch
+            # An EP group: ep consecutive GPUs of one node, inside a stage's shard x tp ranks.
+            if ep > 1 and (a.gpus_per_node % ep or (shard * tp) % ep):
+                continue
             name = f"PP{pp} FSDP 1x{shard}" + (f" TP{tp}" if tp > 1 else "")
+            name += f" EP{ep}" if ep > 1 else ""
 
-            def memory(part: ModelShape, last: bool, tp: int = tp, shard: int = shard) -> dict:
+            def memory(
+                part: ModelShape, last: bool, tp: int = tp, shard: int = shard, ep: int = ep
+            ) -> dict:
                 mem = plan_memory(part, shard, a.batch, a.seq_len, a.param_dtype, a.ac,
-                                  a.ac_every, a.reshard, tp=tp, pipelined=True,
+                                  a.ac_every, a.reshard, tp=tp, ep=ep, pipelined=True,
                                   loss_chunk_tokens=a.loss_chunk_tokens)  # fmt: skip
                 return mem if last else mem | {"logits": 0.0}
 
-            def communication(
-                part: ModelShape, tp: int = tp, shard: int = shard, micro: int = micro
-            ) -> dict:
+            def communication(part: ModelShape, tp: int = tp, shard: int = shard,
+                              micro: int = micro, ep: int = ep) -> dict:  # fmt: skip
                 return plan_communication(
                     part, 1, shard, a.param_dtype, a.reduce_dtype, a.reshard, micro, tp=tp,
-                    tokens=a.batch * a.seq_len, ac_mode=a.ac, ac_every=a.ac_every,
+                    tokens=a.batch * a.seq_len, ac_mode=a.ac, ac_every=a.ac_every, ep=ep,
                     pipelined=True,
                 )  # fmt: skip
 

@@ -140,16 +140,19 @@ class ExpertSharding:
         return self.mesh["expert_shard"]
 
 
-def build_expert_mesh(device: torch.device, dp_replicate: int, ranks: int, ep: int) -> DeviceMesh:
+def build_expert_mesh(
+    device: torch.device, dp_replicate: int, ranks: int, ep: int, pp: int = 1
+) -> DeviceMesh:
     """(dp_replicate, expert_shard, ep) over the same ranks as build_mesh's (dp_replicate,
     dp_shard, cp, tp): dp_shard, cp and tp indices flattened in that order = expert_shard index
     * ep + ep index. Pass `ranks` = dp_shard x cp x tp, a replica's ranks: each holds other
-    tokens or, under tp, other routed rows (module docstring), as in torchtitan."""
-    return init_device_mesh(
-        device.type,
-        (dp_replicate, ranks // ep, ep),
-        mesh_dim_names=("dp_replicate", "expert_shard", "ep"),
-    )
+    tokens or, under tp, other routed rows (module docstring), as in torchtitan. Under pipeline
+    parallel (pp > 1) a leading pp dimension, as build_mesh's: an EP group is ranks of one
+    stage, which run the same micro-batches through the same blocks in the same order."""
+    shape, names = (dp_replicate, ranks // ep, ep), ("dp_replicate", "expert_shard", "ep")
+    if pp > 1:
+        shape, names = (pp, *shape), ("pp", *names)
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
 def apply_ep(

@@ -244,11 +244,6 @@ def check_pp(cfg: Any, compiled: bool, family: ModelFamily, model: nn.Module, ac
             f"parallel.pipeline.schedule={cfg.pipeline.schedule!r}: torch {torch.__version__} "
             f"has no {name}; choose another schedule"
         )
-    if cfg.ep > 1:
-        raise ConfigError(
-            f"parallel.ep={cfg.ep} with parallel.pp={cfg.pp}: expert parallel's mesh does not "
-            "have a pp dimension yet; use ep=1 (each stage's experts are then FSDP-sharded)"
-        )
     n_blocks = len(family.fsdp_units(model))
     check_pipeline(cfg.pipeline, cfg.pp, n_blocks, accum, compiled)
     probe_layout(copy.deepcopy(model), family)

@@ -402,6 +402,11 @@ def test_planner_cli_and_dry_run_show_the_pipeline(
     out = capsys.readouterr().out
     assert "PP4 FSDP 1x2 TP8" in out and "sent/step: pp send_recv" in out
     assert "PP4 FSDP 1x2 TP8: " in out and "bubble 8.6%" in out
+    # A mixture of experts: EP groups inside each stage's GPUs, with and without tp.
+    main(["--family", "qwen3_moe", "--model", "30B-A3B", "--nodes", "4", "--pp", "2", "--tp",
+          "8", "--ep", "8"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "PP2 FSDP 1x16 EP8: " in out and "PP2 FSDP 1x2 TP8 EP8: " in out
     argv = run_argv(tiny_dataset, tmp_path, "llama3", "check", "--parallel.pp=2",
                     "--model.n_layers=4", "--model.tie_embeddings=false")  # fmt: skip
     job = parse_config(JobConfig, argv)
