@@ -95,10 +95,11 @@ def test_ep_in_pipeline_stages_equals_one_process_and_resumes_without(
     """Expert parallel inside pipeline stages, on 4 ranks (2 stages of 1 block, 1F1B): pp 2 x
     dp_shard 2 with ep 2 (an EP group is a stage's two data-parallel ranks), pp 2 x tp 2 with
     ep 2 (the stage's tp pair, each computing half the routed rows) and pp 2 x cp 2 with ep 2
-    (the stage's cp pair) give the one-process run: losses, the gradient norm over both stages, aux losses and expert loads. The pp 2 x
-    ep 2 step-3 checkpoint resumes without pp at ep 4 (one expert a rank) with the same
-    losses. (Run once, not kept for the suite's time: ZBV and interleaved 1F1B x tp 2 with ep 2
-    on 4 blocks, and compiled 1F1B x ep 2 with full AC, all exact.)"""
+    (the stage's cp pair) give the one-process run: losses, the gradient norm over both
+    stages, aux losses and expert loads. The pp 2 x ep 2 step-3 checkpoint resumes without pp
+    at ep 4 (one expert a rank) with the same losses. (Run once, not kept for the suite's
+    time: ZBV and interleaved 1F1B x tp 2 with ep 2 on 4 blocks, and compiled 1F1B x ep 2
+    with full AC, all exact.)"""
     pp = ["--parallel.pp=2", "--parallel.ep=2"]
     layouts = {"pp2_ep2": ["--checkpoint.interval=3"], "pp2_tp2_ep2": ["--parallel.tp=2"],
                "pp2_cp2_ep2": ["--parallel.cp=2"]}  # fmt: skip
