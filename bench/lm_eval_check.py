@@ -1,8 +1,9 @@
 """Score a trainer task file with lm-eval-harness itself, offline, on an exported checkpoint.
 
     pip install -e ".[eval]"
-    python -m checkpoint.export outputs/debug/checkpoints/step-200 outputs/debug/hf --dtype float32
-    python bench/lm_eval_check.py outputs/debug/hf outputs/data/stdlib/next_line.jsonl --limit 100
+    python -m checkpoint.export outputs/debug/checkpoints/step-200 outputs/debug/hf32 \
+        --dtype float32
+    python bench/lm_eval_check.py outputs/debug/hf32 outputs/data/stdlib/next_line.jsonl --limit 100
 
 The trainer scores tasks as lm-eval-harness does (docs/evaluation.md). This runs lm-eval's own
 `HFLM` on the same file and prints its table: its acc and acc_norm are the run's

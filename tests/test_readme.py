@@ -89,6 +89,37 @@ def test_relative_links_reach_files_and_headings() -> None:
                 assert anchor in heading_anchors(linked.read_text()), f"{page.name}: {target}"
 
 
+def documented_commands() -> list[tuple[str, str]]:
+    """(page, command line) of every bash block in the README and docs/, continuations joined
+    and comments dropped."""
+    found = []
+    for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in bash_blocks(page.read_text()):
+            for line in block.replace("\\\n", " ").splitlines():
+                if command := line.split("  #")[0].strip():
+                    found.append((page.name, command))
+    return found
+
+
+def test_documented_commands_leave_the_quick_starts_run_alone() -> None:
+    """A reader runs the pages' commands in any order after the quick start, whose run
+    (configs/debug.toml's run.name) ends at step 200 in outputs/debug: every other documented
+    run of that config names its own run (the same name would resume the finished one, with
+    nothing left to do), and every documented export writes a folder of its own (the exporter
+    refuses one that is not empty). Both happened on docs pages before this test."""
+    commands = documented_commands()
+    quick_start = QUICK_START[0].split(" && ")[-1]
+    trains = [(p, c) for p, c in commands if "configs/debug.toml" in c and not c.endswith(
+        quick_start)]  # fmt: skip
+    assert trains, "the pages train configs/debug.toml somewhere"
+    for page, command in trains:
+        assert "--run.name=" in command, f"{page}: {command}"
+    exports = [(p, c.split()) for p, c in commands if "-m checkpoint.export " in c]
+    folders = [words[words.index("checkpoint.export") + 2] for _, words in exports
+               if "--force" not in words]  # fmt: skip
+    assert len(exports) >= 2 and len(folders) == len(set(folders)), exports
+
+
 def walkthrough_commands() -> list[str]:
     """The shell commands of the walk-through's bash blocks, continuation lines joined."""
     text = WALKTHROUGH.read_text()
