@@ -60,7 +60,7 @@ def choose_mesh(job: JobConfig, family: ModelFamily, args: Any, env: LaunchEnv) 
     fixed: accumulation = global / (micro x data-parallel ranks) must be whole."""
     dp_replicate, dp_shard = resolve_dims(job.parallel, env)
     fsdp_ranks = dp_shard * job.parallel.cp  # FSDP and EP take cp ranks as data-parallel ones
-    check_ep(family, args, job.parallel, fsdp_ranks, job.model.name, job.compile, job.ac.mode)
+    check_ep(family, args, job.parallel, fsdp_ranks, job.model.name, job.compile)
     dp, t = dp_replicate * dp_shard, job.train
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:
         raise ConfigError(

@@ -37,6 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from configs import ConfigError
 from parallel import replace_submodule
+from parallel.workarounds import sac_ignores_profiler_ranges
 
 
 @dataclass
@@ -115,6 +116,7 @@ def apply_ac(
             continue
         kwargs = {}
         if cfg.mode == "op":
+            sac_ignores_profiler_ranges()  # for nested FSDP units (parallel/workarounds.py, 4)
             policy = partial(_op_policy, _saved_ops())
             kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, policy)
         elif in_graph:

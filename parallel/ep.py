@@ -79,24 +79,13 @@ def check_ep(
     dp_shard: int,
     name: str,
     compiled: CompileConfig | None = None,
-    ac_mode: str = "none",
 ) -> None:
     """ConfigError for an expert-parallel degree (or MoE compile regions) this model, mesh and
     run cannot take. `dp_shard`: the data-parallel ranks of a replica, dp_shard x cp
-    (`build_expert_mesh`); `compiled`: the [compile] section; `ac_mode`: ac.mode."""
+    (`build_expert_mesh`); `compiled`: the [compile] section."""
     ep, compiled = cfg.ep, compiled or CompileConfig()
-    regions = compiled.enabled and (ep > 1 or compiled.moe_regions)
     if compiled.moe_regions and moe_family(family) is None:
         raise ConfigError(f"compile.moe_regions: model {name} has no experts (a dense family)")
-    if regions and ac_mode == "op":
-        what = f"parallel.ep={ep}" if ep > 1 else "compile.moe_regions"
-        raise ConfigError(
-            f"ac.mode='op' with {what} and compile.enabled is not supported: MoE blocks are "
-            "then compiled in regions around their experts, and op-level AC, which replays each "
-            "op's saved output in the recompute, cannot match the ops of compiled regions run "
-            "from eager code (torch: 'invocation index ... not found in storage'); use "
-            "ac.mode='full' or 'selective', or eager blocks"
-        )
     if ep == 1:
         return
     if moe_family(family) is None:

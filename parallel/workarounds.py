@@ -24,6 +24,18 @@ The first two concern tensor parallel with compiled blocks, seen on torch 2.13 (
    (`foreach_reduce`, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py; no torch
    issue found). Its PREMUL_SUM path divides only in that copy, so a one-rank shard group
    keeps it: it never reaches gloo.
+4. **Profiler ranges in op-level AC.** Selective activation checkpointing replays each op's
+   saved outputs by counting the ops a block ran in forward; every op of the recompute must
+   have been counted then. FSDP2's hooks mark their phases with `record_function`, itself a
+   pair of dispatched ops, and a nested FSDP unit (expert parallel's experts, inside their
+   block's unit) opens one more range in the recompute than in forward ("FSDP::root_pre_forward":
+   its hooks see a new forward pass); where that unit gathers nothing in forward (a one-rank
+   `expert_shard`, as with ep = dp_shard) the counts no longer match and backward fails
+   ("profiler._record_function_enter_new.default invocation index 3 encountered during
+   backward but not found in storage"). Reported as pytorch/torchtitan#3427; the fix proposed
+   in torch (pytorch/pytorch#196862) leaves profiler ops out of the count, and so does this
+   workaround, adding them to torch's public `torch.utils.checkpoint.SAC_IGNORED_OPS`: they
+   compute nothing.
 """
 
 from __future__ import annotations
@@ -70,3 +82,14 @@ def set_gradient_divide_factor(module: nn.Module, factor: float, mesh: DeviceMes
     module.set_gradient_divide_factor(factor)
     if mesh.device_type != "cuda" and mesh.size(mesh.ndim - 1) > 1:
         module.set_force_sum_reduction_for_comms(True)
+
+
+def sac_ignores_profiler_ranges() -> None:
+    """Leave `record_function`'s ops out of selective activation checkpointing's op counts
+    (workaround 4). Process-wide and idempotent; called by `apply_ac` for op-level AC."""
+    import torch.utils.checkpoint as checkpoint
+
+    ranges = torch.ops.profiler
+    checkpoint.SAC_IGNORED_OPS.update(
+        {ranges._record_function_enter_new.default, ranges._record_function_exit._RecordFunction}
+    )

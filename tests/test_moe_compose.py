@@ -120,7 +120,8 @@ def test_ep_compiled_equals_one_process_without_recompiles(
 ) -> None:
     """Compiled blocks (compile.fullgraph, the default) under EP, against eager on one process:
     ep 2 on 2 ranks with full AC and 2 micro-batches of 1 per rank; and ep 2 x cp 2 on 2 ranks
-    (the EP group is the cp pair), document-masked with per-document positions; and one
+    (the EP group is the cp pair) with op-level AC, document-masked with per-document
+    positions; and one
     process with compile.moe_regions, the same regions without EP (bench/gpu.py's case). Each
     block is compiled in regions around its experts: the norms (one graph for both),
     attention, the router and the experts' compute, plus the loss: 5 graphs, all made in the
@@ -133,7 +134,7 @@ def test_ep_compiled_equals_one_process_without_recompiles(
     assert ep["graphs"] == [5] * STEPS
     masked = train(tiny_dataset, tmp_path, "one_masked", 1, *DOCUMENTS)
     cp = compiled_run(tiny_dataset, tmp_path, "ep2_cp2", 2, "--parallel.ep=2", "--parallel.cp=2",
-                      *DOCUMENTS)  # fmt: skip
+                      "--ac.mode=op", *DOCUMENTS)  # fmt: skip
     assert_same_run(cp, masked)
     assert_same_load(cp, masked)
     assert cp["graphs"] == [5] * STEPS
