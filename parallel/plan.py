@@ -222,8 +222,9 @@ def muon_buckets(shape: ModelShape) -> dict[tuple[int, ...], list[int]]:
 
 def _checkpointed(shape: ModelShape, ac_mode: AcMode, ac_every: int) -> list[bool]:
     """Per block: whether AC recomputes it in backward ('full' every block, 'selective' blocks
-    0, every, 2 x every, ...: parallel/ac.py; 'op' keeps the matmul outputs, recomputes the
-    rest)."""
+    0, every, 2 x every, ...: parallel/ac.py; 'op' keeps the matmul and attention outputs and
+    recomputes the rest, every collective in the block included: measured, op-level AC sends
+    what full AC sends, tests/test_tp.py and tests/test_moe_compose.py)."""
     n = shape.n_layers
     if ac_mode in ("full", "op"):
         return [True] * n
@@ -274,14 +275,15 @@ def _ep_communication(
     """Bytes expert parallel's all-to-alls send per rank and step (parallel/ep.py). Per MoE
     block and micro-batch: the tokens x top_k routed rows of dim elements go out (dispatch)
     and come back (combine), and their gradients the same ways in backward; a checkpointed
-    block's recompute (full or selective AC) dispatches and combines again. Each forward also
+    block's recompute (any AC mode: op-level AC keeps no collective's output) dispatches and
+    combines again. Each forward also
     exchanges the int64 row counts per expert. A rank keeps the rows for its own experts:
     (ep - 1) / ep of each buffer leaves it when the routing is balanced, which is also the
     mean over the ranks in any case (every row sent is a row received); one rank's own share
     follows its routing."""
     if shape.blocks is None:  # top_k unknown
         return {"all_to_all": math.nan}
-    recomputes = _checkpointed(shape, ac_mode, ac_every) if ac_mode != "op" else []
+    recomputes = _checkpointed(shape, ac_mode, ac_every)
     per_step = 0.0
     for i, block in enumerate(shape.blocks):
         if (experts := block.experts) is None:
@@ -309,7 +311,7 @@ def _ep_tp_gathers(
     checkpointed block's recompute gathers again."""
     if shape.blocks is None:  # top_k unknown
         return math.nan
-    recomputes = _checkpointed(shape, ac_mode, ac_every) if ac_mode != "op" else []
+    recomputes = _checkpointed(shape, ac_mode, ac_every)
     total = 0.0
     for i, block in enumerate(shape.blocks):
         if (experts := block.experts) is None:
@@ -332,7 +334,7 @@ def _tp_communication(
     if tp == 1:
         return {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
     n = shape.n_layers
-    recomputed = {"full": n, "selective": math.ceil(n / ac_every)}.get(ac_mode, 0)
+    recomputed = sum(_checkpointed(shape, ac_mode, ac_every))  # op-level AC's too
     # Per block: 2 gathers + 2 reduce-scatters forward, 2 + 2 backward; a recompute redoes
     # both gathers but only attention's reduce-scatter (torch's checkpoint stops once it has
     # every saved tensor, before the FFN's output). The root: the embedding's reduce-scatter

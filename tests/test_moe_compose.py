@@ -144,16 +144,18 @@ def test_ep_compiled_equals_one_process_without_recompiles(
 
 
 @pytest.mark.slow
-def test_planner_matches_measured_ep_tp_bytes(tiny_dataset: str, tmp_path: Path) -> None:
-    """ep 2 x tp 2 on 4 ranks with full AC, one step of 2 micro-batches: FSDP's bytes over
-    dp_shard and expert_shard, tp's gathers (the MoE layer's own, and EP's of the routed rows,
-    recompute included) and reduce-scatters, the all-to-all (each tp rank sends its half of
-    the rows: the mean over the ranks is exact) and the sharded state, as the planner says."""
+@pytest.mark.parametrize("ac", ["full", "op"])  # op-level AC recomputes the collectives too
+def test_planner_matches_measured_ep_tp_bytes(tiny_dataset: str, tmp_path: Path, ac: str) -> None:
+    """ep 2 x tp 2 on 4 ranks with full or op-level AC, one step of 2 micro-batches: FSDP's
+    bytes over dp_shard and expert_shard, tp's gathers (the MoE layer's own, and EP's of the
+    routed rows, recompute included) and reduce-scatters, the all-to-all (each tp rank sends
+    its half of the rows: the mean over the ranks is exact) and the sharded state, as the
+    planner says."""
     from parallel.plan import plan_communication, plan_memory
     from tests.test_tp import assert_as_planned, measured_tp_step
 
     results, job, shape = measured_tp_step(
-        tiny_dataset, tmp_path, *MOE, "--parallel.ep=2", "--ac.mode=full"
+        tiny_dataset, tmp_path, *MOE, "--parallel.ep=2", f"--ac.mode={ac}"
     )
     p, tokens = job.parallel, 2 * job.data.seq_len
     planned = plan_communication(

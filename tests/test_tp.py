@@ -335,7 +335,7 @@ def assert_as_planned(result: dict, planned: dict, mem: dict, dims: tuple[str, .
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("ac", ["none", "full", "op"])  # op: the collectives recomputed too
 def test_planner_matches_measured_tp_bytes(tiny_dataset: str, tmp_path: Path, ac: str) -> None:
     """(dp_shard 2, tp 2), one step of 2 micro-batches: the FSDP bytes per dim, the TP
     activation bytes and the sharded state per rank as the planner says."""
