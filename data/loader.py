@@ -432,6 +432,11 @@ def build_dataloader(
         pin_memory=torch.cuda.is_available(),
         # A snapshot at every batch makes state_dict() exact without replaying batches on load.
         snapshot_every_n_steps=1,
+        # Each iter() draws the workers' base seed: from this generator, not from torch's
+        # global RNG, which a checkpoint restores before the resumed run's first iter()
+        # (that draw would shift it by one from the run that never stopped), and which every
+        # evaluation's iter() of the val loader would advance mid-training.
+        generator=torch.Generator().manual_seed(seed),
     )
 
 

@@ -446,6 +446,25 @@ def test_resume_on_another_mesh_continues_the_global_stream(
         assert torch.equal(torch.cat(got), ref[3 + s])
 
 
+def test_loaders_leave_torchs_rng_alone(dataset: Path) -> None:
+    """Neither a train loader resumed from a state nor every evaluation's iter() of the val
+    loader draws from torch's global RNG: a checkpoint restores that RNG before the resumed
+    run's first iter(), and a draw there would leave the resumed run one draw off the run
+    that never stopped (as each evaluation would shift the training's RNG stream)."""
+    loader = _loader(dataset, 1, 0, 4, 2)
+    _take(loader, 2)
+    state = loader.state_dict()
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    resumed = _loader(dataset, 1, 0, 4, 2)
+    resumed.load_state_dict(state)
+    _take(resumed, 2)
+    val = _loader(dataset, 2, 1, 3, split="val")
+    _take(val, 1)
+    _take(val, 1)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_resume_with_indivisible_global_batch_is_an_error(dataset: Path) -> None:
     loader = _loader(dataset, 4, 0, 2)
     _take(loader, 3)  # 24 positions consumed
