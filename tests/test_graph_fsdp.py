@@ -3,8 +3,9 @@ bucketed by Inductor, its checkpoints interchangeable with eager ones.
 
 Compiling the whole model on CPU takes about half a minute of CPU per rank, so the runs are
 few and shared: one eager and one compiled run per mesh (`runs`, FSDP 1x2 and HSDP 2x2, each
-combining several features) serve the parity and the checkpoint tests; one spawn compiles the
-step at two bucket sizes and checks bf16 beside them.
+combining several features) serve the parity, the checkpoint and the bucketing tests (their
+compiled step's collectives at the default bucket size); one more spawn compiles the one-block
+model's step at a small bucket size and checks bf16 beside it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from model import ModelConfig, llama
+from parallel.compile import CompileConfig
 from parallel.plan import graph_buckets, model_shape, plan_communication
 from tests.distributed import run_distributed
 from tests.test_train import FP32, TINY, train_losses
@@ -45,23 +47,36 @@ def argv(dataset: str, out: Path, name: str, *extra: str) -> list[str]:
             *TINY, *FP32, *STEPS, *extra]  # fmt: skip
 
 
+def train_and_count(argv: list[str]) -> tuple[list[float], dict[str, int]]:
+    """train_losses, and the all-gathers and reduce-scatters in the Inductor code it compiled
+    (the graphs of its one compiled step)."""
+    from torch._inductor.utils import run_and_get_code
+
+    losses, code = run_and_get_code(train_losses, argv)
+    return losses, count_collectives(code)
+
+
 @pytest.fixture(scope="module")
 def runs(short_docs: str, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
     """`runs(mesh)`: eager and compiled on the mesh, trained once per module: {"out": the
     folder of their checkpoints of steps 3 and 6, "losses": {"<mesh>-eager": the 6 losses,
-    "<mesh>-graph": ...}}."""
+    "<mesh>-graph": ...}, "collectives": {"<mesh>-graph": the compiled step's counts}}."""
     out = tmp_path_factory.mktemp("graph_fsdp")
     losses: dict[str, list[float]] = {}
+    collectives: dict[str, dict[str, int]] = {}
 
     def run(mesh: str) -> dict[str, Any]:
         for path, flags in (("eager", []), ("graph", GRAPH)):
             name = f"{mesh}-{path}"
             if name not in losses:
-                losses[name] = run_distributed(
-                    train_losses, WORLD[mesh], argv(short_docs, out, name, *MESHES[mesh], *flags),
-                    timeout=600,
-                )[0]  # fmt: skip
-        return {"out": out, "losses": losses}
+                args = argv(short_docs, out, name, *MESHES[mesh], *flags)
+                if path == "eager":
+                    losses[name] = run_distributed(train_losses, WORLD[mesh], args)[0]
+                else:
+                    losses[name], collectives[name] = run_distributed(
+                        train_and_count, WORLD[mesh], args, timeout=600
+                    )[0]
+        return {"out": out, "losses": losses, "collectives": collectives}
 
     return run
 
@@ -83,31 +98,69 @@ def test_graph_fsdp_is_the_run_of_eager_fsdp2(runs: Callable[[str], dict], mesh:
     assert_within(losses[f"{mesh}-graph"], losses[f"{mesh}-eager"], atol=1e-5)
 
 
+def resave(argv: list[str]) -> list[float]:
+    """train_losses with the loop replaced by one save of the state just resumed: a
+    checkpoint's trip through this path's load and save, with no step run (so nothing is
+    compiled)."""
+    import train as trainer
+
+    loop = trainer.loop
+
+    def save_only(run: Any, loader: Any, checkpointer: Any, states: dict, *_: Any) -> Any:
+        checkpointer.save(run.progress.step, states)
+        return trainer.LoopEnd()
+
+    trainer.loop = save_only
+    try:
+        return train_losses(argv)
+    finally:
+        trainer.loop = loop
+
+
 @pytest.mark.slow
 def test_checkpoints_move_between_paths_and_world_sizes(
-    runs: Callable[[str], dict], short_docs: str
+    runs: Callable[[str], dict], short_docs: str, tmp_path: Path
 ) -> None:
     """The step-3 checkpoint of each path resumes under the other: eager's on the compiled
     path (2 ranks: the compiled graph of `runs`, which Inductor's cache keeps), the compiled
     path's under eager FSDP2 on 4 ranks (resharded from 2); the last 3 losses follow the saving
-    run within 1e-5 (compiled float32 kernels round otherwise than eager ones, so across paths
-    not bitwise). Resumed on its own path, the compiled run's checkpoint repeats its losses
-    bitwise. Each path's step-6 checkpoint exports to the same Hugging Face tensors (the same
-    keys, values within 1e-5)."""
+    run within 1e-5: the two paths' float32 steps differ in rounding (Inductor's fused kernels,
+    and the compiled path reduces each micro-batch's gradients before summing them), so a run
+    that changes path mid-way is not bitwise the run that did not.
+
+    What crosses is exact: each path's checkpoint, loaded and saved again by the other path,
+    holds the same bits in every entry (weights, AdamW's moments, the schedule, the data
+    position, the step), and the eager run resumed from the copy its checkpoint made through
+    the compiled path repeats its own losses bitwise. Each path's step-6 checkpoint exports to
+    the same Hugging Face tensors (the same keys, values within 1e-5)."""
     from safetensors.torch import load_file
 
     from checkpoint.export import export_checkpoint
+    from checkpoint.state import CONFIG
+    from tests.test_checkpoint import assert_same_entries, load_everything
 
     saved_runs = runs("fsdp1x2")
     out, losses, extra = saved_runs["out"], saved_runs["losses"], MESHES["fsdp1x2"]
-    for saved, resumes, world in (("eager", GRAPH, 2), ("graph", [], 4), ("graph", GRAPH, 2)):
-        step3 = out / f"fsdp1x2-{saved}" / "checkpoints" / "step-3"
+
+    def step3(run: str) -> Path:
+        return out / run / "checkpoints" / "step-3"
+
+    for saved, resumes, world in (("eager", GRAPH, 2), ("graph", [], 4)):
         name = f"from-{saved}-{'graph' if resumes else 'eager'}"
-        args = argv(short_docs, out, name, *extra, *resumes, f"--checkpoint.resume={step3}")
+        args = argv(short_docs, out, name, *extra, *resumes,
+                    f"--checkpoint.resume={step3(f'fsdp1x2-{saved}')}")  # fmt: skip
         resumed = run_distributed(train_losses, world, args, timeout=600)[0]
         assert_within(resumed, losses[f"fsdp1x2-{saved}"][3:], atol=1e-5)
-        if resumes and saved == "graph":
-            assert resumed == losses["fsdp1x2-graph"][3:]
+    for saved, other in (("eager", GRAPH), ("graph", [])):
+        args = argv(short_docs, out, f"trip-{saved}", *extra, *other,
+                    f"--checkpoint.resume={step3(f'fsdp1x2-{saved}')}")  # fmt: skip
+        run_distributed(resave, 2, args)
+        before = load_everything(step3(f"fsdp1x2-{saved}"), tmp_path)
+        after = load_everything(step3(f"trip-{saved}"), tmp_path)
+        assert before.pop(CONFIG) != after.pop(CONFIG)  # the run's own name and path
+        assert_same_entries(after, before, f"{saved} checkpoint, through the other path")
+    args = argv(short_docs, out, "from-trip", *extra, f"--checkpoint.resume={step3('trip-eager')}")
+    assert run_distributed(train_losses, 2, args)[0] == losses["fsdp1x2-eager"][3:]
     exported = {}
     for path in ("eager", "graph"):
         hf = out / f"hf-{path}"
@@ -169,41 +222,43 @@ def compiled_step(bucket_mbs: list[float]) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_inductor_buckets_the_fsdp_collectives() -> None:
-    """2 ranks, bf16, the one-block model. Unbucketed, the compiled step would all-gather each
-    weight in forward and again in backward (resharded) and reduce-scatter each gradient;
-    buckets of 0.05 MB (about one block's weights here) bring that to a few per block (11
-    all-gathers, 7 reduce-scatters); 100 MB (the whole model) to one collective each way:
-    fewer than eager FSDP2's units (the block and the root). Were bucketing off, both counts
-    would be the unbucketed ones (23 and 12). The loss and gradients are eager FSDP2's within
-    its bf16 tolerance at both sizes. (bucket_mb=0 is not compiled here, to keep the suite's
-    time: docs/parallelism.md.)"""
-    results = run_distributed(compiled_step, 2, [0.05, 100.0], timeout=900)[0]
-    params, units = results[0.05]["params"], 1 + 1
-    print({mb: results[mb]["counts"] for mb in (0.05, 100.0)}, "params", params)
+def test_inductor_buckets_the_fsdp_collectives(runs: Callable[[str], dict]) -> None:
+    """The compiled step's all-gathers and reduce-scatters follow compile.bucket_mb. At the
+    default 500 MB, `runs`' FSDP 1x2 model (2 blocks, float32) is one bucket: one all-gather
+    in forward, one in backward (resharded after forward), one reduce-scatter; eager FSDP2
+    gathers each of its 3 units (2 blocks and the root). At 0.05 MB (about one block's weights
+    here) the one-block model, in bf16, takes a few per block (11 all-gathers, 7
+    reduce-scatters); unbucketed (were bucketing silently off) it would take 23 and 12, one
+    per weight. The planner's buckets equal both, and the loss and gradients at 0.05 MB are
+    eager FSDP2's within its bf16 tolerance. (Each compile is about 25 CPU-s a rank here, so
+    no third size is compiled: docs/parallelism.md.)"""
+    whole = runs("fsdp1x2")["collectives"]["fsdp1x2-graph"]
+    units = 2 + 1  # eager FSDP2's: the blocks and the root
+    assert whole == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 1}
+    assert whole["all_gather_into_tensor"] / 2 < units
+    two_blocks = llama.build_args(ModelConfig(**BUCKET_MODEL | {"n_layers": 2}))
+    planned = graph_buckets(model_shape(llama, two_blocks), 2, "float32", "float32",
+                            CompileConfig().bucket_mb)  # fmt: skip
+    assert (len(planned.all_gather), len(planned.reduce_scatter)) == (1, 1)
+
+    results = run_distributed(compiled_step, 2, [0.05], timeout=900)[0]
+    block, params = results[0.05]["counts"], results[0.05]["params"]
+    print({"0.05 MB": block, "500 MB, 2 blocks": whole}, "params", params)
     # Every weight is gathered again for backward but the embedding's: its backward needs
     # only the token ids.
     none = {"all_gather_into_tensor": 2 * params - 1, "reduce_scatter_tensor": params}
-    block, whole = (results[mb]["counts"] for mb in (0.05, 100.0))
-    # Forward and backward gather once each, and the gradients are reduced once.
-    assert whole == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 1}
-    assert whole["all_gather_into_tensor"] / 2 < units
     for kind in none:
         assert whole[kind] < block[kind] < none[kind], (kind, none, block, whole)
-    # The planner's buckets (parallel/plan.py): the reduce-scatters exactly; forward's
-    # all-gathers, doubled for backward, within the embedding's one (graph_buckets).
+    # The planner's buckets (parallel/plan.py): the reduce-scatters exactly (the all-gathers
+    # at the whole-model size, above: one bucket, gathered in forward and again in backward).
     shape = model_shape(llama, llama.build_args(ModelConfig(**BUCKET_MODEL)))
     assert len(graph_buckets(shape, 2, "bfloat16", "float32", 0.0).reduce_scatter) == params
-    for mb in (0.05, 100.0):
-        planned = graph_buckets(shape, 2, "bfloat16", "float32", mb)
-        assert len(planned.reduce_scatter) == results[mb]["counts"]["reduce_scatter_tensor"]
-    planned = len(graph_buckets(shape, 2, "bfloat16", "float32", 100.0).all_gather)
-    assert results[100.0]["counts"]["all_gather_into_tensor"] in (2 * planned - 1, 2 * planned)
+    planned = graph_buckets(shape, 2, "bfloat16", "float32", 0.05)
+    assert len(planned.reduce_scatter) == block["reduce_scatter_tensor"]
     eager = results["eager"]
-    for mb in (0.05, 100.0):
-        torch.testing.assert_close(results[mb]["loss"], eager["loss"], rtol=5e-3, atol=0)
-        for got, want in zip(results[mb]["grads"], eager["grads"], strict=True):
-            torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-3)
+    torch.testing.assert_close(results[0.05]["loss"], eager["loss"], rtol=5e-3, atol=0)
+    for got, want in zip(results[0.05]["grads"], eager["grads"], strict=True):
+        torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-3)
 
 
 def test_planner_counts_graph_fsdp_traffic() -> None:
