@@ -39,23 +39,30 @@ def test_ep_tp_equals_one_process_and_resumes_on_another_layout(
     one: dict, tiny_dataset: str, tmp_path: Path
 ) -> None:
     """ep 2 x tp 2 on 4 ranks (the EP groups are the tp pairs, the experts FSDP-sharded over the
-    other two; full AC, 2 micro-batches of 1 per rank), and ep 2 x tp 2 inside HSDP 2 x
-    dp_shard 2 on 8 ranks, give the one-process run. Each tp rank computes half of the routed
-    rows (the planner test below measures the all-to-all bytes). ep 2 x tp 2's step-3
-    checkpoint resumes at ep 4 x tp 2 (one EP group of 4, one expert each) with the same
-    losses."""
+    other two; full AC, 2 micro-batches of 1 per rank) gives the one-process run. Each tp rank
+    computes half of the routed rows (the planner test below measures the all-to-all bytes).
+    ep 2 x tp 2's step-3 checkpoint resumes at ep 4 x tp 2 (one EP group of 4, one expert
+    each) with the same losses."""
     args = ["--parallel.ep=2", "--parallel.tp=2"]
     eptp = train(tiny_dataset, tmp_path, "ep2_tp2", 4, *args, "--ac.mode=full",
                  "--train.micro_batch_size=1", "--checkpoint.interval=3")  # fmt: skip
     assert_same_run(eptp, one)
     assert_same_load(eptp, one)
-    hsdp = train(tiny_dataset, tmp_path, "hsdp_ep2_tp2", 8, *args, nodes=2)
-    assert_same_run(hsdp, one)
-    assert_same_load(hsdp, one)
     step3 = tmp_path / "ep2_tp2" / "checkpoints" / "step-3"
     resumed = train(tiny_dataset, tmp_path, "ep4_tp2", 4, "--parallel.ep=4", "--parallel.tp=2",
                     f"--checkpoint.resume={step3}")  # fmt: skip
     assert_same_run(resumed, one, slice(3, None))
+
+
+@pytest.mark.slow
+@pytest.mark.drill  # 8 processes on 2 cores (about 20 CPU-s); ep x tp runs by default above
+def test_ep_tp_inside_hsdp_equals_one_process(one: dict, tiny_dataset: str, tmp_path: Path) -> None:
+    """ep 2 x tp 2 inside HSDP 2 x dp_shard 2, on 8 ranks of 2 nodes, gives the one-process
+    run (losses, grad norm, aux losses, expert loads)."""
+    hsdp = train(tiny_dataset, tmp_path, "hsdp_ep2_tp2", 8, "--parallel.ep=2", "--parallel.tp=2",
+                 nodes=2)  # fmt: skip
+    assert_same_run(hsdp, one)
+    assert_same_load(hsdp, one)
 
 
 def train_counting_graphs(argv: list[str]) -> tuple[list[float], list[int]]:

@@ -77,13 +77,20 @@ def test_model_that_tp_cannot_split_is_a_config_error(
 
 
 @pytest.mark.slow
-def test_fp32_parity_tp_with_fsdp_and_hsdp(tiny_dataset: str, tmp_path: Path) -> None:
-    """1 process = (dp_shard 2, tp 2) = (dp_replicate 2, dp_shard 2, tp 2) on 8 ranks, losses
-    within 1e-5 per step (tp 2 alone, for every family with a TP_PLAN:
-    tests/test_families.py)."""
+def test_fp32_parity_tp_with_fsdp(tiny_dataset: str, tmp_path: Path) -> None:
+    """1 process = (dp_shard 2, tp 2), losses within 1e-5 per step (tp 2 alone, for every
+    family with a TP_PLAN: tests/test_families.py; HSDP x tp: the drill below, and the
+    gradients on that 3D mesh: test_grad_norm_and_clipping_on_3d_mesh_equal_one_process)."""
     single = run(tiny_dataset, tmp_path, 1, 1, FP32 + STEPS)
     shard_tp = run(tiny_dataset, tmp_path, 4, 1, FP32 + STEPS + ["--parallel.tp=2"])
     assert_close(shard_tp, single, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.drill  # 8 processes on 2 cores; HSDP x tp's gradients run by default (below)
+def test_fp32_parity_tp_with_hsdp(tiny_dataset: str, tmp_path: Path) -> None:
+    """1 process = (dp_replicate 2, dp_shard 2, tp 2) on 8 ranks, losses within 1e-5."""
+    single = run(tiny_dataset, tmp_path, 1, 1, FP32 + STEPS)
     three_d = run(tiny_dataset, tmp_path, 8, 2, FP32 + STEPS + ["--parallel.tp=2"])
     assert_close(three_d, single, rtol=1e-5)
 
