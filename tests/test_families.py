@@ -755,17 +755,25 @@ def test_resume_is_bitwise_exact(
 ) -> None:
     """8 steps straight = a resume from that run's step-4 checkpoint for 4 more, bitwise:
     weights, optimizer, schedule and data position carry over (FSDP on 2 ranks, fp32). The LR
-    schedule spans train.steps, so the 'stop' at 4 is the checkpoint of the 8-step run."""
-    from checkpoint.state import load_no_dist
+    schedule spans train.steps, so the 'stop' at 4 is the checkpoint of the 8-step run. Both
+    runs' step-8 checkpoints hold the same bits in every entry, torch's RNG included (a
+    resumed run's first iter() of its loader once drew from it, leaving it one draw off)."""
+    from checkpoint.state import CONFIG, load_no_dist
     from configs import parse_config
     from launch.job import JobConfig
     from model import persistent_buffers
+    from tests.test_checkpoint import assert_same_entries, load_everything
 
     losses, out = saved_runs(family)
     step4 = out / "sync" / "checkpoints" / "step-4"
     argv = run_argv(tiny_dataset, out, family, "family-resumed", "--train.steps=8",
-                    f"--checkpoint.resume={step4}")  # fmt: skip
+                    "--checkpoint.interval=4", f"--checkpoint.resume={step4}")  # fmt: skip
     assert run_distributed(in_ranks(train_losses), 2, argv)[0] == losses[4:]
+    tmp = out / "family-resumed"
+    straight = load_everything(out / "sync" / "checkpoints" / "step-8", tmp)
+    resumed = load_everything(tmp / "checkpoints" / "step-8", tmp)
+    straight.pop(CONFIG), resumed.pop(CONFIG)  # the run's name and its resume setting
+    assert_same_entries(resumed, straight, "step 8, straight and resumed")
     # A persistent buffer that after_step moves (the test family's routing bias) is in the
     # checkpoint, moved: the resume above then depends on it.
     with torch.device("meta"):
