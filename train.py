@@ -445,7 +445,10 @@ def setup(
     # At tp > 1 loss parallel (loss_context) keeps the logits split instead: no compiled loss.
     loss_fn = compile_loss(cross_entropy_sum, job.compile) if plan.tp == 1 else cross_entropy_sum
     if t.loss_chunk_tokens:  # the logits a chunk at a time (parallel/loss.py)
-        loss_fn = ChunkedLoss(output_layer(plan.family, model), t.loss_chunk_tokens, loss_fn)
+        # The module that runs: under pp the last stage's (the merged view may hold a
+        # stand-in where a tied weight's replica is).
+        layer = output_layer(plan.family, built.parts[-1])
+        loss_fn = ChunkedLoss(layer, t.loss_chunk_tokens, loss_fn)
     dp_rank, dp_size = dp_rank_and_size(mesh)
     # A loader's (inputs, targets) on the device, with their document ids and targets under
     # data.attention_mask="document" (data/documents.py): derived per micro-batch, on the device.

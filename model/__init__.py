@@ -65,7 +65,12 @@ What the trainer may assume, and nothing more:
   other stages' blocks by pass-throughs (their extra outputs zeros, so sums over blocks add up
   across stages) and the modules outside the blocks by pass-throughs except on the first stage
   (those before the first block) or the last (after the last block). So the forward must not
-  compute on the hidden state outside modules between the embeddings and the output.
+  compute on the hidden state outside modules between the embeddings and the output. A weight
+  tied between a module before the blocks and one after them (tied embeddings) must be a
+  module's own parameter (`output.weight = tok_embeddings.weight`): the first and the last
+  stage each hold it under both names, the pass-through keeping it; elsewhere a pass-through
+  answers the names with None, so code that restores the tie compares the two attributes'
+  identity, as `init_buffers` does here, and never assumes both modules exist.
 - **Block shapes** (optional: `block_shapes(args) -> list[model.blocks.BlockShape]`, one per
   FSDP unit, read through `model.block_shapes(family, args)`): each block's attention, dense FFN
   (width, matrix count), routed experts (count, top_k, expert FFN) and shared expert, as plain

@@ -9,6 +9,12 @@ torch.distributed.pipelining across the pp ranks, the outermost mesh dimension.
 trainer's normalization (the step's target tokens over all ranks), each stage's extra loss (an
 MoE's aux loss) joins the backward from its output, and torch's stages keep FSDP's gradients
 unreduced until the step's last backward.
+
+A tied weight (parallel/pp_split.py: the first stage's copy trains, the last stage's is a
+replica) costs two sends of its shard per step between the ranks of the first and the last
+stage (none when one rank holds both, as in the V schedules): after backward the replica's
+gradient joins the trained copy's, and the trained copy's value reaches the replica before
+the replica is used again (the optimizer, a checkpoint or Hugging Face weights changed it).
 """
 
 from __future__ import annotations
@@ -91,6 +97,9 @@ class Pipeline:
         self.ranks = dist.get_process_group_ranks(self.group)
         self.holds_first, self.holds_last = stages[0].index == 0, stages[-1].index == n - 1
         self._step: _StepInputs | None = None
+        self.device, self.ties = device, stages[0].ties
+        # Stale until the first use: the initialization, a checkpoint or HF weights set them.
+        self._replicas_stale, self._replicas_set = True, False
         # Imported here, not at the top: it imports Dynamo and Inductor (0.5 s of every rank's
         # start, and of every test that starts one), which a run without pp does not need.
         import torch.distributed.pipelining as pipelining
@@ -170,6 +179,7 @@ class Pipeline:
                                  hidden_only, beat)  # fmt: skip
         for stage in self.stages:
             stage.stats.clear()
+        self._refresh_replicas()
         present = [k for k in ("document_ids", "positions") if getattr(batches[0], k) is not None]
         kwargs = {k: torch.cat([getattr(b, k) for b in batches]) for k in present}
         args = (torch.cat([b.inputs for b in batches]),) if self.holds_first else ()
@@ -178,6 +188,8 @@ class Pipeline:
             self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
         finally:
             step, self._step = self._step, None
+        self._gather_replica_grads()
+        self._replicas_stale = True  # the optimizer steps next
         # The last `microbatches` calls: torch may run a stage once more first, to learn shapes.
         losses = step.losses[-self.microbatches :]
         loss_sum = torch.stack(losses).sum() if losses else global_tokens.new_zeros(())
@@ -190,6 +202,7 @@ class Pipeline:
         on the rank that holds the last stage, None on the others: each stage runs in turn,
         its output sent to the next stage's rank. For evaluation (any shape, one batch at a
         time; every pp rank calls it with the same inputs)."""
+        self._refresh_replicas()
         x: torch.Tensor | None = inputs
         local = {s.index: s for s in self.stages}
         for s, owner in enumerate(self.owners):
@@ -217,6 +230,56 @@ class Pipeline:
         dist.recv(x, self.ranks[rank], group=self.group)
         return x
 
+    def _tie_copies(self) -> list[tuple[Any, Any]]:
+        """For each tied weight, this rank's (trained copy, replica): a Parameter where this
+        rank holds the first (last) stage, else None."""
+        local = {s.index: s.model for s in self.stages}
+        ends = [local.get(0), local.get(len(self.owners) - 1)]
+        return [tuple(None if m is None else m.get_parameter(names[0]) for m in ends)
+                for names in self.ties]  # fmt: skip
+
+    @torch.no_grad()
+    def _gather_replica_grads(self) -> None:
+        """Add each replica's gradient to the trained copy's (sent from the last stage's rank
+        to the first's), and drop it: the optimizer steps the trained copy alone."""
+        first_rank, last_rank = self.ranks[self.owners[0]], self.ranks[self.owners[-1]]
+        for trained, replica in self._tie_copies():
+            if not any(c is not None and c.requires_grad for c in (trained, replica)):
+                continue  # a middle stage's rank, or frozen (train.freeze freezes both copies)
+            if trained is not None and replica is not None:  # one rank holds both stages
+                _local(trained.grad).add_(_local(replica.grad))
+            elif replica is not None:
+                dist.send(_local(replica.grad).to(self.device), first_rank, group=self.group)
+            elif trained is not None:
+                grad = _local(trained.grad)
+                received = torch.empty_like(grad, device=self.device)
+                dist.recv(received, last_rank, group=self.group)
+                grad.add_(received.to(grad.device))
+            if replica is not None:
+                replica.grad = None
+
+    @torch.no_grad()
+    def _refresh_replicas(self) -> None:
+        """Copy each trained copy's value into its replica, once after each change (a frozen
+        one's only the first time)."""
+        if not self._replicas_stale:
+            return
+        first_rank, last_rank = self.ranks[self.owners[0]], self.ranks[self.owners[-1]]
+        for trained, replica in self._tie_copies():
+            held = trained if trained is not None else replica
+            if held is None or (self._replicas_set and not held.requires_grad):
+                continue  # a middle stage's rank; a frozen weight that has not changed
+            if trained is not None and replica is not None:
+                _local(replica).copy_(_local(trained))
+            elif trained is not None:
+                dist.send(_local(trained).to(self.device), last_rank, group=self.group)
+            elif replica is not None:
+                value = _local(replica)
+                received = torch.empty_like(value, device=self.device)
+                dist.recv(received, first_rank, group=self.group)
+                value.copy_(received)
+        self._replicas_stale, self._replicas_set = False, True
+
     def total_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The gradient norm over every stage, from this rank's stages' `norm` (the same on
         every rank of a stage): the square root of the sum of the stages' squares, in float64
@@ -227,6 +290,12 @@ class Pipeline:
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP's parameters and gradients), a view of it: written
+    in place, the DTensor changes."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def check_pp(cfg: Any, compiled: bool, family: ModelFamily, model: nn.Module, accum: int) -> None:

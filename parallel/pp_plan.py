@@ -214,10 +214,14 @@ def rank_in_flight(
     return in_flight(schedule, pp, microbatches, stages_per_rank)
 
 
-def rank_shape(shape: ModelShape, blocks: list[int], first: bool, last: bool) -> ModelShape:
+def rank_shape(
+    shape: ModelShape, blocks: list[int], first: bool, last: bool, tie_trains: bool = True
+) -> ModelShape:
     """One pp rank's part of the model: its blocks, and of the root unit the first parameter
     (the embeddings) on the first stage's rank, the others (final norm, output projection)
-    on the last stage's."""
+    on the last stage's. With tied embeddings the last stage's rank also holds a replica of
+    the first (parallel/pp_split.py), with a gradient. `tie_trains=False`: the replica (on the
+    first stage's rank only: the tied weight) as if frozen, for the planner's differences."""
     from dataclasses import replace
 
     def pick(unit: Any, keep: list[int]) -> Any:
@@ -227,8 +231,14 @@ def rank_shape(shape: ModelShape, blocks: list[int], first: bool, last: bool) ->
         return replace(unit, **chosen)
 
     root = shape.units[-1]
-    keep = [i for i in range(len(root.shapes)) if (first and i == 0) or (last and i > 0)]
-    units = [shape.units[b] for b in blocks] + [pick(root, keep)]
+    replica = last and shape.tied_embedding
+    keep = [0] * (first + replica) + [i for i in range(1, len(root.shapes)) if last]
+    picked = pick(root, keep)
+    if shape.tied_embedding and (first or last) and not tie_trains:
+        trains = list(picked._trains())
+        trains[int(first and replica)] = False
+        picked = replace(picked, trainable=tuple(trains))
+    units = [shape.units[b] for b in blocks] + [picked]
     described = tuple(shape.blocks[b] for b in blocks) if shape.blocks is not None else None
     return replace(shape, units=units, blocks=described,
                    embedding_numel=shape.embedding_numel if first else 0)  # fmt: skip
@@ -265,9 +275,18 @@ def plan_pipeline(
         first, last = owners[0] == rank, owners[-1] == rank
         part = rank_shape(shape, blocks, first, last)
         mem = dict(memory(part, last))
+        tie = 0.0
+        if shape.tied_embedding and (first or last):
+            # The last stage's replica of a tied weight has a gradient, no optimizer state. Per
+            # step the first stage's rank sends the weight's shard, the last's its gradient
+            # (fp32 both: the gradient's bytes; none frozen), unless one rank holds both.
+            frozen = memory(rank_shape(shape, blocks, first, last, tie_trains=False), last)
+            tie = mem["grads"] - frozen["grads"] if first != last else 0.0
+            mem["optimizer"] = frozen["optimizer"] if last else mem["optimizer"]
         mem["activations"] *= rank_in_flight(cfg.schedule, pp, microbatches, v, rank)
         comm = communication(part)
-        comm["pp"] = {"send_recv": p2p_bytes(cfg.schedule, pp, microbatches, v, hidden, rank)}
+        sends = p2p_bytes(cfg.schedule, pp, microbatches, v, hidden, rank)
+        comm["pp"] = {"send_recv": sends + tie}
         total = sum(mem.values())
         if worst is None or total > worst[0]:
             worst = (total, mem, comm, rank)

@@ -6,7 +6,16 @@ Each stage is a copy of the model on meta in which the blocks of other stages ar
 modules that run before the first block (the embeddings) or after the last (final norm, output
 projection) are `PassThrough`s outside the first (last) stage. Which modules those are is read
 once from a forward on meta (`probe_layout`), through the contract alone: `fsdp_units` names the
-blocks in order. Block names keep their index (checkpoint keys are the same as without pp), and
+blocks in order.
+
+A weight that the first and the last stage both use (tied embeddings: the output projection's
+weight is the input embedding's) is a parameter of each: the first stage's copy is the one the
+optimizer trains and checkpoints hold, the last stage's a replica (`Stage.replicas`) that
+parallel/pp.py keeps equal to it, sending the replica's gradient to it after backward and its
+value back before the replica is used again. Each stage holds its copy under the same names as
+the whole model (the stand-in of the other side's module keeps it), so the family's own code
+that restores a tie, its initialization and every name-based setting see what they would
+without pp. Block names keep their index (checkpoint keys are the same as without pp), and
 zeros for a skipped block's extra outputs make a sum over blocks (an MoE's aux loss and expert
 load) add up across stages: each stage's step terms are its part, and the all-reduce over every
 rank adds them.
@@ -37,7 +46,19 @@ if TYPE_CHECKING:
 
 class PassThrough(nn.Module):
     """Stands in for a module another stage holds (the embeddings outside the first stage, the
-    final norm and output projection outside the last): returns its first input."""
+    final norm and output projection outside the last): returns its first input.
+
+    It answers the `replaced` module's own parameter names (a family's `init_buffers` reads
+    them to restore a tie): with the parameter itself where it is in `kept` (a tied weight this
+    stage holds through another module), None for the others."""
+
+    def __init__(
+        self, replaced: nn.Module | None = None, kept: frozenset[int] = frozenset()
+    ) -> None:
+        super().__init__()
+        own = replaced._parameters if replaced is not None else {}
+        for name, param in own.items():
+            self.register_parameter(name, param if id(param) in kept else None)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return x
@@ -68,6 +89,9 @@ class Layout:
     extras: list[tuple[tuple[tuple[int, ...], torch.dtype], ...] | None]
     head: list[str]
     tail: list[str]
+    ties: list[list[str]] = field(default_factory=list)
+    """The names of each weight shared by a head and a tail module (tied embeddings), in the
+    order `named_parameters` lists them: the first stage's copy and the last stage's."""
 
 
 def _outside_modules(model: nn.Module, blocks: list[str]) -> list[str]:
@@ -126,15 +150,32 @@ def probe_layout(model: nn.Module, family: ModelFamily, seq_len: int = 8) -> Lay
             f"parallel.pp: {', '.join(between)} runs between blocks; pipeline stages are "
             "ranges of blocks with nothing in between"
         )
-    head_params = {id(p) for n in head for p in model.get_submodule(n).parameters()}
-    tail_params = {n: {id(p) for p in model.get_submodule(n).parameters()} for n in tail}
-    if shared := [n for n in tail if head_params & tail_params[n]]:
-        raise ConfigError(
-            f"parallel.pp: {', '.join(shared)} shares a weight with the embeddings (tied "
-            "embeddings), but the first and the last stage would each train a copy: untie "
-            "them (model.tie_embeddings=false) or use parallel.pp=1"
-        )
-    return Layout(blocks, [_extras(outputs[b], b) for b in blocks], head, tail)
+    ties = _ties(model, blocks, head, tail)
+    return Layout(blocks, [_extras(outputs[b], b) for b in blocks], head, tail, ties)
+
+
+def _ties(model: nn.Module, blocks: list[str], head: list[str], tail: list[str]) -> list[list[str]]:
+    """The names of each parameter shared by a head and a tail module (`Layout.ties`);
+    ConfigError for a weight shared by a block and another module, which stages cannot hold
+    apart, or tied inside a submodule of a head or tail module (the stand-ins keep only a
+    module's own parameters)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    ties = []
+    for shared in (n for n in names.values() if len(n) > 1):
+        owners = [next((m for m in (*blocks, *head, *tail) if n.startswith(m + ".")), n)
+                  for n in shared]  # fmt: skip
+        if not all(o in head + tail and n.count(".") == o.count(".") + 1
+                   for n, o in zip(shared, owners, strict=True)):  # fmt: skip
+            raise ConfigError(
+                f"parallel.pp: {', '.join(shared)} are one weight that pipeline stages cannot "
+                "hold apart (only a weight of the modules before the first block and after the "
+                "last, such as tied embeddings, can be): untie it or use parallel.pp=1"
+            )
+        if any(o in head for o in owners) and any(o in tail for o in owners):
+            ties.append(shared)
+    return ties
 
 
 def _extras(out: Any, name: str) -> tuple[tuple[tuple[int, ...], torch.dtype], ...] | None:
@@ -159,6 +200,11 @@ class Stage:
     terms: StepTerms | None = None
     """Its step terms (set by parallel/build.py once the stage is built)."""
     stats: list[torch.Tensor] = field(default_factory=list)
+    ties: list[list[str]] = field(default_factory=list)
+    """`Layout.ties` of the whole model (the same on every stage)."""
+    replicas: list[str] = field(default_factory=list)
+    """The names (each tie's first) under which the last stage holds a replica of a weight
+    the first stage trains; empty on the other stages."""
 
 
 class StageFamily:
@@ -183,8 +229,9 @@ class StageFamily:
 
         from model import canonical_name
 
-        if kind == "params":
-            names = [canonical_name(n) for n, _ in self._model.named_parameters()]
+        if kind == "params":  # under each of a tied weight's names, as train.freeze applies them
+            params = self._model.named_parameters(remove_duplicate=False)
+            names = [canonical_name(n) for n, _ in params]
         else:
             names = [n for n, m in self._model.named_modules() if isinstance(m, nn.Linear)]
         return [p for p in patterns if any(fnmatchcase(n, p) for n in names)]
@@ -211,17 +258,23 @@ def split_model(
     layout = probe_layout(model, family)
     owners = stage_ranks(pp, len(sizes) // pp, cfg.schedule)
     starts = [sum(sizes[:s]) for s in range(len(sizes))]
+    last = len(sizes) - 1
     stages = []
     for s in [s for s, r in enumerate(owners) if r == pp_rank]:
         part = copy.deepcopy(model)
         for i, name in enumerate(layout.blocks):
             if not starts[s] <= i < starts[s] + sizes[s]:
                 _replace(part, name, SkippedBlock(layout.extras[i]))
+        # A tie's weight stays in the first and the last stage: the stand-in of the other
+        # side's module keeps it, under the names it had.
+        kept = frozenset(id(part.get_parameter(t[0])) for t in layout.ties if s in (0, last))
         for name in layout.head if s > 0 else []:
-            _replace(part, name, PassThrough())
-        for name in layout.tail if s < len(sizes) - 1 else []:
-            _replace(part, name, PassThrough())
-        stages.append(Stage(s, part, StageFamily(family, part)))
+            _replace(part, name, PassThrough(part.get_submodule(name), kept))
+        for name in layout.tail if s < last else []:
+            _replace(part, name, PassThrough(part.get_submodule(name), kept))
+        replicas = [t[0] for t in layout.ties] if s == last else []
+        stages.append(Stage(s, part, StageFamily(family, part), ties=layout.ties,
+                            replicas=replicas))  # fmt: skip
     return stages
 
 
@@ -234,15 +287,18 @@ def merged_view(model: nn.Module, stages: list[Stage]) -> nn.Module:
     """`model` (the unsplit one, on meta) holding this rank's stages' modules, as they were
     parallelized, where they belong, and stand-ins elsewhere: one module with the unsplit
     model's parameter names for the optimizer, the gradient norm and DCP. Never run: each
-    stage runs its own copy, whose modules these are."""
+    stage runs its own copy, whose modules these are. A tied weight's replica (the last
+    stage's copy) is not in it: the first stage's copy is the one that trains."""
     family = stages[0].family._family
     layout_blocks = [n for n, m in model.named_modules() if m in family.fsdp_units(model)]
     outside = _outside_modules(model, layout_blocks)
+    replicas = {id(s.model.get_parameter(n)) for s in stages for n in s.replicas}
     for name in layout_blocks + outside:
-        owner = [s for s in stages if not isinstance(s.model.get_submodule(name),
-                                                     PassThrough | SkippedBlock)]  # fmt: skip
-        if owner:
-            _replace(model, name, owner[0].model.get_submodule(name))
-        else:
-            _replace(model, name, stages[0].model.get_submodule(name))
+        found = [s.model.get_submodule(name) for s in stages]
+        usable = [m for m in found if not any(id(p) in replicas for p in m.parameters())]
+        real = [m for m in usable if not isinstance(m, PassThrough | SkippedBlock)]
+        if real or usable:
+            _replace(model, name, (real or usable)[0])
+        else:  # only a replica's holders here (the last stage's rank): a stand-in without it
+            _replace(model, name, PassThrough(model.get_submodule(name)))
     return model

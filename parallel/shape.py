@@ -106,6 +106,9 @@ class ModelShape:
     """Why `blocks` is None, and what the planner leaves out for it: one line ('' if known)."""
     embedding_numel: int = 0
     """The input embedding's weights when untied: a lookup, not a matmul (no FLOPs)."""
+    tied_embedding: bool = False
+    """The root's first parameter (the input embedding) is used under a second name too (tied
+    embeddings): under pipeline parallel the last stage holds a replica of it."""
 
     @property
     def n_layers(self) -> int:
@@ -197,6 +200,7 @@ def model_shape(
         reached = reached or any(p.requires_grad for p in u.parameters())
         blocks.append(unit(list(u.parameters()), reached))
     root = [p for p in model.parameters() if id(p) not in in_unit]
+    uses = [id(p) for _, p in model.named_parameters(remove_duplicate=False)]
     described, missing = _described(family, args, units)
     return ModelShape(
         [*blocks, unit(root)],
@@ -205,6 +209,7 @@ def model_shape(
         blocks=described,
         missing=missing,
         embedding_numel=0 if args.tie_embeddings else sum(p.numel() for p in embeddings),
+        tied_embedding=bool(root) and uses.count(id(root[0])) > 1,
     )
 
 

@@ -181,9 +181,11 @@ def apply_tp(
     # a private API for one float per step.
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_not_norm_hint)
     for first, others in tied.items():  # the styles replaced each module's copy: share again
-        shared = model.get_parameter(first)
-        for other in others:
-            owner, _, attr = other.rpartition(".")
+        # The split copy: a pipeline stage's stand-in for the other module is not in the plan.
+        copies = [model.get_parameter(n) for n in (first, *others)]
+        shared = next((p for p in copies if isinstance(p, DTensor)), copies[0])
+        for name in (first, *others):
+            owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, shared)
     if plain := [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]:
         raise ValueError(f"TP_PLAN leaves parameters unsplit and unreplicated: {plain}")

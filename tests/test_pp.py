@@ -3,7 +3,9 @@ mesh it accepts, checkpoints across pp degrees, one config line for what it refu
 
 The trainer runs share their processes: one spawn of N ranks trains several configurations in
 turn (`train_many`), since starting ranks costs more than the tiny model. The models have 4
-blocks (2 stages per rank on 2 ranks) and untied embeddings (refused under pp).
+blocks (2 stages per rank on 2 ranks) and tied embeddings: the first and the last stage each
+hold the tied weight (on two ranks, or on one in the V schedules), so every run here also
+shows that the two copies train as the one weight of the run without pp.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from checkpoint.export import export_checkpoint
 from configs import ConfigError, parse_config
@@ -35,7 +38,7 @@ from tests.test_families import run_argv, scalars
 from tests.test_tasks import write_tasks
 from tests.test_train import COMPILED, assert_close
 
-PP_SHAPE = ["--model.n_layers=4", "--model.tie_embeddings=false", "--train.steps=6",
+PP_SHAPE = ["--model.n_layers=4", "--model.tie_embeddings=true", "--train.steps=6",
             "--metrics.tensorboard=true", "--metrics.log_interval=1"]  # fmt: skip
 DEFAULT = ModelConfig().name
 
@@ -206,8 +209,9 @@ def test_pp_composes_and_resumes_across_pp_degrees(
 
 COMPOSED = {  # each against one process with the same settings
     "ac_lora": ["--ac.mode=full", "--lora.enabled=true"],
-    "freeze_documents_chunks": ["--train.freeze=layers.0.*", "--data.attention_mask=document",
-                                "--train.loss_chunk_tokens=16"],
+    # The tied embedding frozen by its other name: both stages' copies freeze, none is sent.
+    "freeze_documents_chunks": ["--train.freeze=layers.0.*,output.weight",
+                                "--data.attention_mask=document", "--train.loss_chunk_tokens=16"],
     "muon": ["--optim.name=muon"],
 }  # fmt: skip
 
@@ -216,8 +220,8 @@ COMPOSED = {  # each against one process with the same settings
 def test_pp_composes_with_the_trainers_features(
     reference: Callable[[str], dict], tiny_dataset: str, tmp_path: Path
 ) -> None:
-    """pp 2 gives the one-process run with full AC and LoRA, with a frozen block, document
-    masking and the chunked loss, with Muon (ZBV: 2 stages per rank, its owners within each
+    """pp 2 gives the one-process run with full AC and LoRA, with a frozen block and tied
+    embedding, document masking and the chunked loss, with Muon (ZBV: 2 stages per rank, its owners within each
     stage), from Hugging Face weights (each rank reads its stages' tensors), and compiled
     (1F1B, against the plain reference)."""
     want = reference(DEFAULT)
@@ -260,7 +264,6 @@ def _check(tiny_dataset: str, tmp_path: Path, world: int, *extra: str) -> Any:
              "--train.micro_batch_size=4"], "at least 4 micro-batches"),
         (2, ["--parallel.pp=2", "--parallel.pipeline.schedule=zbv", "--compile.enabled=true"],
          "compiled blocks hide"),
-        (2, ["--parallel.pp=2", "--model.tie_embeddings=true"], "tied embeddings"),
     ],
 )  # fmt: skip
 def test_config_errors_say_what_would_work(
@@ -322,21 +325,93 @@ def test_pipeline_config_checks() -> None:
 
 
 def test_probe_layout_of_every_family() -> None:
-    """The contract alone names each family's parts: embeddings first, norm and output last;
-    an MoE block's aux loss and expert load are its extra outputs."""
+    """The contract alone names each family's parts: embeddings first, norm and output last,
+    and a tied embedding's two names; an MoE block's aux loss and expert load are its extra
+    outputs."""
     from parallel.pp_split import probe_layout
 
-    for name, family in FAMILIES.items():
-        args = family.build_args(ModelConfig(name, n_layers=3, tie_embeddings=False))
+    for (name, family), tied in zip(FAMILIES.items(), [False, True] * 2, strict=False):
+        args = family.build_args(ModelConfig(name, n_layers=3, tie_embeddings=tied))
         with torch.device("meta"):
             model = family.build_model(args)
         layout = probe_layout(model, family)
         assert layout.blocks == ["layers.0", "layers.1", "layers.2"]
         assert (layout.head, layout.tail) == (["tok_embeddings"], ["norm", "output"])
+        assert layout.ties == ([["tok_embeddings.weight", "output.weight"]] if tied else [])
         if hasattr(args, "n_experts"):
             assert layout.extras[0] == (((), torch.float32), ((args.n_experts,), torch.float32))
         else:
             assert layout.extras == [None] * 3
+
+
+class _Toy(nn.Module):
+    """Embeddings, two blocks and an output projection; `tie` shares one weight between two
+    modules: "blocks" (block 1 uses block 0's), "nested" (the output uses an embedding held one
+    module deeper than the head module), "ends" (tied embeddings)."""
+
+    def __init__(self, tie: str) -> None:
+        super().__init__()
+        self.head = nn.Sequential(nn.Embedding(8, 4))
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.out = nn.Linear(4, 8, bias=False)
+        if tie == "blocks":
+            self.blocks[1].weight = self.blocks[0].weight
+        if tie == "nested":
+            self.out.weight = self.head[0].weight
+
+    def init_buffers(self, rope_len: int) -> None:
+        pass
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.head(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def test_a_weight_stages_cannot_hold_apart_is_one_config_line() -> None:
+    """A weight shared by two blocks, or tied inside a submodule of the modules outside the
+    blocks, is refused by name (tied embeddings of the families train: the runs above)."""
+    from types import SimpleNamespace
+
+    from parallel.pp_split import probe_layout
+
+    family = SimpleNamespace(fsdp_units=lambda model: list(model.blocks))
+    assert probe_layout(_Toy(""), family).ties == []  # type: ignore[arg-type]
+    for tie, names in (("blocks", "blocks.0.weight, blocks.1.weight"),
+                       ("nested", "head.0.weight, out.weight")):  # fmt: skip
+        with pytest.raises(ConfigError, match="cannot hold apart") as err:
+            probe_layout(_Toy(tie), family)  # type: ignore[arg-type]
+        assert names in str(err.value) and "\n" not in str(err.value)
+
+
+def test_planner_counts_a_tied_weights_replica() -> None:
+    """Under pp with tied embeddings the last stage's rank holds a replica of the embedding: its
+    parameter and gradient as the untied output projection's, no optimizer state, and the
+    gradient's shard sent per step (the first stage's rank sends the weight's)."""
+    from parallel.plan import plan_communication, plan_memory
+    from parallel.pp_plan import plan_pipeline
+    from parallel.shape import model_shape
+
+    def memory(part: Any, last: bool) -> dict[str, float]:
+        mem = plan_memory(part, 2, 1, 1024, "float32", pipelined=True)
+        return mem if last else mem | {"logits": 0.0}
+
+    family, cfg = FAMILIES[DEFAULT], PipelineConfig(schedule="gpipe", split=[2, 2])
+    plans = {}
+    for tied in (False, True):
+        args = family.build_args(ModelConfig(DEFAULT, n_layers=4, tie_embeddings=tied))
+        plans[tied] = plan_pipeline(
+            model_shape(family, args), cfg, 2, 4, 1, 1024, memory,
+            lambda part: plan_communication(part, 1, 2, "float32", pipelined=True), "float32",
+        )  # fmt: skip
+    (untied, untied_comm, where), (tied, tied_comm, tied_where) = plans[False], plans[True]
+    assert where["rank"] == tied_where["rank"] == 1  # the last stage's (its logits): compared
+    shard = args.vocab_size * args.dim // 2
+    assert tied["params"] == untied["params"] and tied["grads"] == untied["grads"]
+    assert tied["optimizer"] == untied["optimizer"] - 8 * shard - 4
+    sent = tied_comm["pp"]["send_recv"] - untied_comm["pp"]["send_recv"]
+    assert sent == 4 * shard
 
 
 def p2p_per_step(argvs: list[list[str]], folder: str) -> list[float]:
@@ -347,12 +422,21 @@ def p2p_per_step(argvs: list[list[str]], folder: str) -> list[float]:
 
     import parallel.pp
 
-    sent, steps = [0], []
-    isend, step = c10d.isend, parallel.pp.Pipeline.step
+    sent, steps, in_send = [0], [], [False]
+    isend, send, step = c10d.isend, c10d.send, parallel.pp.Pipeline.step
 
     def counting_isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        sent[0] += tensor.numel() * tensor.element_size()
+        if not in_send[0]:
+            sent[0] += tensor.numel() * tensor.element_size()
         return isend(tensor, *args, **kwargs)
+
+    def counting_send(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent[0] += tensor.numel() * tensor.element_size()
+        in_send[0] = True  # some torch versions' send calls isend: counted once
+        try:
+            return send(tensor, *args, **kwargs)
+        finally:
+            in_send[0] = False
 
     def counted_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         before = sent[0]
@@ -362,6 +446,7 @@ def p2p_per_step(argvs: list[list[str]], folder: str) -> list[float]:
 
     # P2POp checks its op against c10d's isend: the same function in both places.
     c10d.isend = dist.isend = counting_isend
+    c10d.send = dist.send = counting_send  # the tied weight's shard (parallel/pp.py)
     parallel.pp.Pipeline.step = counted_step
     last = []
     for i, argv in enumerate(argvs):
@@ -373,18 +458,21 @@ def p2p_per_step(argvs: list[list[str]], folder: str) -> list[float]:
 @pytest.mark.slow
 def test_planner_p2p_bytes_match_gloo(tiny_dataset: str, tmp_path: Path) -> None:
     """The bytes each pp rank sends per step (activations forward, their gradients back, none
-    across the V's turn) are the planner's within 1%, for 1F1B, interleaved 1F1B and ZBV."""
+    across the V's turn; with tied embeddings, the weight's shard one way and its gradient's the
+    other, none in the V) are the planner's within 1%, for 1F1B, interleaved 1F1B and ZBV."""
     schedules = {"1f1b": 1, "interleaved_1f1b": 2, "zbv": 2}
     argvs = [run_argv(tiny_dataset, tmp_path, DEFAULT, s, "--model.n_layers=4",
-                      "--model.tie_embeddings=false", "--train.steps=2", "--parallel.pp=2",
+                      "--model.tie_embeddings=true", "--train.steps=2", "--parallel.pp=2",
                       f"--parallel.pipeline.schedule={s}") for s in schedules]  # fmt: skip
     for i in range(len(argvs)):
         (tmp_path / str(i)).mkdir()
     got = run_distributed(p2p_per_step, 2, argvs, str(tmp_path), timeout=600)
     hidden = 2 * 32 * 64 * 4  # micro-batch x seq_len x dim, float32
+    tie = 512 * 64 * 4  # vocab x dim, float32, on one data-parallel rank
     for i, (schedule, v) in enumerate(schedules.items()):
         for rank in range(2):
             want = p2p_bytes(schedule, 2, 4, v, hidden, rank)  # type: ignore[arg-type]
+            want += tie if schedule != "zbv" else 0
             assert got[rank][i] == pytest.approx(want, rel=0.01), (schedule, rank)
 
 
