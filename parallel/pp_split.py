@@ -155,10 +155,10 @@ def probe_layout(model: nn.Module, family: ModelFamily, seq_len: int = 8) -> Lay
 
 
 def _ties(model: nn.Module, blocks: list[str], head: list[str], tail: list[str]) -> list[list[str]]:
-    """The names of each parameter shared by a head and a tail module (`Layout.ties`);
-    ConfigError for a weight shared by a block and another module, which stages cannot hold
-    apart, or tied inside a submodule of a head or tail module (the stand-ins keep only a
-    module's own parameters)."""
+    """The names of each parameter shared by a head and a tail module (`Layout.ties`). A weight
+    shared inside one block, or inside the head or the tail, is one stage's; ConfigError for
+    one shared by a block and another module, which stages cannot hold apart, or tied inside a
+    submodule of a head or tail module (the stand-ins keep only a module's own parameters)."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
@@ -166,6 +166,10 @@ def _ties(model: nn.Module, blocks: list[str], head: list[str], tail: list[str])
     for shared in (n for n in names.values() if len(n) > 1):
         owners = [next((m for m in (*blocks, *head, *tail) if n.startswith(m + ".")), n)
                   for n in shared]  # fmt: skip
+        if len(set(owners)) == 1 and owners[0] in blocks:
+            continue
+        if all(o in head for o in owners) or all(o in tail for o in owners):
+            continue
         if not all(o in head + tail and n.count(".") == o.count(".") + 1
                    for n, o in zip(shared, owners, strict=True)):  # fmt: skip
             raise ConfigError(
@@ -173,8 +177,7 @@ def _ties(model: nn.Module, blocks: list[str], head: list[str], tail: list[str])
                 "hold apart (only a weight of the modules before the first block and after the "
                 "last, such as tied embeddings, can be): untie it or use parallel.pp=1"
             )
-        if any(o in head for o in owners) and any(o in tail for o in owners):
-            ties.append(shared)
+        ties.append(shared)
     return ties
 
 

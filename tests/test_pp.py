@@ -221,9 +221,9 @@ def test_pp_composes_with_the_trainers_features(
     reference: Callable[[str], dict], tiny_dataset: str, tmp_path: Path
 ) -> None:
     """pp 2 gives the one-process run with full AC and LoRA, with a frozen block and tied
-    embedding, document masking and the chunked loss, with Muon (ZBV: 2 stages per rank, its owners within each
-    stage), from Hugging Face weights (each rank reads its stages' tensors), and compiled
-    (1F1B, against the plain reference)."""
+    embedding, document masking and the chunked loss, with Muon (ZBV: 2 stages per rank, its
+    owners within each stage), from Hugging Face weights (each rank reads its stages'
+    tensors), and compiled (1F1B, against the plain reference)."""
     want = reference(DEFAULT)
     hf = tmp_path / "hf"  # the reference's step 3, exported: a start from Hugging Face weights
     export_checkpoint(want["out"] / "one" / "checkpoints" / "step-3", hf, torch.float32)
@@ -346,16 +346,19 @@ def test_probe_layout_of_every_family() -> None:
 
 class _Toy(nn.Module):
     """Embeddings, two blocks and an output projection; `tie` shares one weight between two
-    modules: "blocks" (block 1 uses block 0's), "nested" (the output uses an embedding held one
-    module deeper than the head module), "ends" (tied embeddings)."""
+    modules: "inside" (two layers of block 0), "blocks" (block 1 uses block 0's), "nested" (the
+    output uses an embedding held one module deeper than the head module)."""
 
     def __init__(self, tie: str) -> None:
         super().__init__()
         self.head = nn.Sequential(nn.Embedding(8, 4))
-        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        first = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        self.blocks = nn.ModuleList([first, nn.Linear(4, 4)])
         self.out = nn.Linear(4, 8, bias=False)
+        if tie == "inside":
+            first[1].weight = first[0].weight
         if tie == "blocks":
-            self.blocks[1].weight = self.blocks[0].weight
+            self.blocks[1].weight = first[0].weight
         if tie == "nested":
             self.out.weight = self.head[0].weight
 
@@ -371,14 +374,16 @@ class _Toy(nn.Module):
 
 def test_a_weight_stages_cannot_hold_apart_is_one_config_line() -> None:
     """A weight shared by two blocks, or tied inside a submodule of the modules outside the
-    blocks, is refused by name (tied embeddings of the families train: the runs above)."""
+    blocks, is refused by name; one shared inside a block is the block's stage's (tied
+    embeddings of the families train: the runs above)."""
     from types import SimpleNamespace
 
     from parallel.pp_split import probe_layout
 
     family = SimpleNamespace(fsdp_units=lambda model: list(model.blocks))
-    assert probe_layout(_Toy(""), family).ties == []  # type: ignore[arg-type]
-    for tie, names in (("blocks", "blocks.0.weight, blocks.1.weight"),
+    for tie in ("", "inside"):
+        assert probe_layout(_Toy(tie), family).ties == []  # type: ignore[arg-type]
+    for tie, names in (("blocks", "blocks.0.0.weight, blocks.1.weight"),
                        ("nested", "head.0.weight, out.weight")):  # fmt: skip
         with pytest.raises(ConfigError, match="cannot hold apart") as err:
             probe_layout(_Toy(tie), family)  # type: ignore[arg-type]
