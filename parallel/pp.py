@@ -100,6 +100,7 @@ class Pipeline:
         self.device, self.ties = device, stages[0].ties
         # Stale until the first use: the initialization, a checkpoint or HF weights set them.
         self._replicas_stale, self._replicas_set = True, False
+        self._check_ties()
         # Imported here, not at the top: it imports Dynamo and Inductor (0.5 s of every rank's
         # start, and of every test that starts one), which a run without pp does not need.
         import torch.distributed.pipelining as pipelining
@@ -238,6 +239,34 @@ class Pipeline:
         return [tuple(None if m is None else m.get_parameter(names[0]) for m in ends)
                 for names in self.ties]  # fmt: skip
 
+    def _check_ties(self) -> None:
+        """Before the first send: each tied weight's two copies are split alike (by the tp
+        styles of the two modules that hold them, then FSDP), or the sends would mix up their
+        shards. Both ranks compare and raise."""
+        first_rank, last_rank = self.ranks[self.owners[0]], self.ranks[self.owners[-1]]
+        for names, (trained, replica) in zip(self.ties, self._tie_copies(), strict=True):
+            if trained is None and replica is None:
+                continue
+            ours = _split_of(trained if trained is not None else replica, self.device)
+            if trained is not None and replica is not None:
+                theirs = _split_of(replica, self.device)
+            else:
+                theirs = torch.empty_like(ours)
+                if trained is not None:
+                    dist.send(ours, last_rank, group=self.group)
+                    dist.recv(theirs, last_rank, group=self.group)
+                else:
+                    dist.recv(theirs, first_rank, group=self.group)
+                    dist.send(ours, first_rank, group=self.group)
+            if not torch.equal(ours, theirs):
+                held = trained if trained is not None else replica
+                raise ValueError(
+                    f"parallel.pp: the first and the last stage split the tied {names[0]} "
+                    f"differently (here {getattr(held, 'placements', None)}, local shape "
+                    f"{tuple(_local(held).shape)}): the TP_PLAN styles of {' and '.join(names)} "
+                    "must shard it alike"
+                )
+
     @torch.no_grad()
     def _gather_replica_grads(self) -> None:
         """Add each replica's gradient to the trained copy's (sent from the last stage's rank
@@ -246,6 +275,8 @@ class Pipeline:
         for trained, replica in self._tie_copies():
             if not any(c is not None and c.requires_grad for c in (trained, replica)):
                 continue  # a middle stage's rank, or frozen (train.freeze freezes both copies)
+            for copy_ in (c for c in (trained, replica) if c is not None and c.grad is None):
+                copy_.grad = torch.zeros_like(copy_)  # not used in this step: no gradient
             if trained is not None and replica is not None:  # one rank holds both stages
                 _local(trained.grad).add_(_local(replica.grad))
             elif replica is not None:
@@ -264,6 +295,9 @@ class Pipeline:
         one's only the first time)."""
         if not self._replicas_stale:
             return
+        for stage in self.stages:  # sharded (an evaluation leaves the stages gathered): shards
+            if hasattr(stage.model, "reshard"):  # FSDP's root unit, which holds the weight
+                stage.model.reshard()
         first_rank, last_rank = self.ranks[self.owners[0]], self.ranks[self.owners[-1]]
         for trained, replica in self._tie_copies():
             held = trained if trained is not None else replica
@@ -290,6 +324,16 @@ class Pipeline:
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _split_of(param: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """How `param` is split, as a tensor two ranks can compare: its global and local shapes
+    and a checksum of its placements."""
+    import zlib
+
+    shapes = [*param.shape, -1, *_local(param).shape, -1]
+    placements = zlib.crc32(repr(getattr(param, "placements", None)).encode())
+    return torch.tensor([*shapes, placements], dtype=torch.long, device=device)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

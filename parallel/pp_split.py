@@ -91,7 +91,7 @@ class Layout:
     tail: list[str]
     ties: list[list[str]] = field(default_factory=list)
     """The names of each weight shared by a head and a tail module (tied embeddings), in the
-    order `named_parameters` lists them: the first stage's copy and the last stage's."""
+    order `named_parameters` lists them (the first is the one `Stage.replicas` uses)."""
 
 
 def _outside_modules(model: nn.Module, blocks: list[str]) -> list[str]:
@@ -177,6 +177,18 @@ def _ties(model: nn.Module, blocks: list[str], head: list[str], tail: list[str])
                 "hold apart (only a weight of the modules before the first block and after the "
                 "last, such as tied embeddings, can be): untie it or use parallel.pp=1"
             )
+        # The last stage's module holding the replica stays out of the merged view: a weight
+        # of its own beside the replica (a bias) would train nowhere.
+        for name, owner in zip(shared, owners, strict=True):
+            if owner in tail and (more := [f"{owner}.{n}" for n, p in
+                                           model.get_submodule(owner).named_parameters()
+                                           if f"{owner}.{n}" != name]):  # fmt: skip
+                raise ConfigError(
+                    f"parallel.pp: {owner} holds {', '.join(more)} beside the tied {name}; "
+                    "under pp the last stage's copy of a tied weight needs a module of its own "
+                    "(move the other weights to another module), or untie it, or use "
+                    "parallel.pp=1"
+                )
         ties.append(shared)
     return ties
 

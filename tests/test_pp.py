@@ -347,7 +347,8 @@ def test_probe_layout_of_every_family() -> None:
 class _Toy(nn.Module):
     """Embeddings, two blocks and an output projection; `tie` shares one weight between two
     modules: "inside" (two layers of block 0), "blocks" (block 1 uses block 0's), "nested" (the
-    output uses an embedding held one module deeper than the head module)."""
+    output uses an embedding held one module deeper than the head module), "bias" (tied
+    embeddings, the output projection with a bias)."""
 
     def __init__(self, tie: str) -> None:
         super().__init__()
@@ -361,6 +362,9 @@ class _Toy(nn.Module):
             self.blocks[1].weight = first[0].weight
         if tie == "nested":
             self.out.weight = self.head[0].weight
+        if tie == "bias":  # tied embeddings, with a bias of its own beside the output's weight
+            self.head, self.out = nn.Embedding(8, 4), nn.Linear(4, 8)
+            self.out.weight = self.head.weight
 
     def init_buffers(self, rope_len: int) -> None:
         pass
@@ -373,9 +377,10 @@ class _Toy(nn.Module):
 
 
 def test_a_weight_stages_cannot_hold_apart_is_one_config_line() -> None:
-    """A weight shared by two blocks, or tied inside a submodule of the modules outside the
-    blocks, is refused by name; one shared inside a block is the block's stage's (tied
-    embeddings of the families train: the runs above)."""
+    """A weight shared by two blocks, tied inside a submodule of the modules outside the blocks,
+    or tied to an output projection that has weights of its own besides, is refused by name;
+    one shared inside a block is the block's stage's (tied embeddings of the families train:
+    the runs above)."""
     from types import SimpleNamespace
 
     from parallel.pp_split import probe_layout
@@ -383,11 +388,49 @@ def test_a_weight_stages_cannot_hold_apart_is_one_config_line() -> None:
     family = SimpleNamespace(fsdp_units=lambda model: list(model.blocks))
     for tie in ("", "inside"):
         assert probe_layout(_Toy(tie), family).ties == []  # type: ignore[arg-type]
-    for tie, names in (("blocks", "blocks.0.0.weight, blocks.1.weight"),
-                       ("nested", "head.0.weight, out.weight")):  # fmt: skip
-        with pytest.raises(ConfigError, match="cannot hold apart") as err:
+    for tie, says in (("blocks", "blocks.0.0.weight, blocks.1.weight are one weight"),
+                      ("nested", "head.0.weight, out.weight are one weight"),
+                      ("bias", "out holds out.bias beside the tied out.weight")):  # fmt: skip
+        with pytest.raises(ConfigError) as err:
             probe_layout(_Toy(tie), family)  # type: ignore[arg-type]
-        assert names in str(err.value) and "\n" not in str(err.value)
+        assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def _check_tie_split(shapes: list[tuple[int, int]]) -> str:
+    """On 2 ranks, rank r holding pipeline stage r of 2 whose tied weight has shape
+    `shapes[r]`: the line Pipeline's check raises before any send, or "" if none."""
+    import torch.distributed as dist
+
+    from parallel.pp import Pipeline
+    from parallel.pp_split import Stage
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = nn.Module()
+    model.head = nn.Linear(*shapes[rank], bias=False)
+    pipeline = Pipeline.__new__(Pipeline)  # the check alone, without torch's schedule
+    pipeline.stages = [Stage(rank, model, None)]
+    pipeline.ties = [["head.weight", "tail.weight"]]
+    pipeline.owners, pipeline.ranks, pipeline.group = [0, 1], [0, 1], dist.group.WORLD
+    pipeline.device = torch.device("cpu")
+    try:
+        pipeline._check_ties()
+    except ValueError as err:
+        return str(err)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    return ""
+
+
+def test_the_two_copies_of_a_tied_weight_must_be_split_alike() -> None:
+    """The first and the last stage's copies, split alike, pass; split otherwise (a fork's
+    TP_PLAN styling the embedding and the output projection differently), both ranks raise
+    one line before a send could mix their shards."""
+    assert run_distributed(_check_tie_split, 2, [(4, 2), (4, 2)]) == ["", ""]
+    lines = run_distributed(_check_tie_split, 2, [(4, 2), (2, 4)])
+    assert all("split the tied head.weight differently" in line for line in lines), lines
+    assert all("\n" not in line for line in lines)
 
 
 def test_planner_counts_a_tied_weights_replica() -> None:
