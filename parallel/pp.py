@@ -98,6 +98,8 @@ class Pipeline:
         self.holds_first, self.holds_last = stages[0].index == 0, stages[-1].index == n - 1
         self._step: _StepInputs | None = None
         self.device, self.ties = device, stages[0].ties
+        # The global ranks of the first and the last stage's pp ranks: a tied weight's ends.
+        self.ends = (self.ranks[self.owners[0]], self.ranks[self.owners[-1]])
         # Stale until the first use: the initialization, a checkpoint or HF weights set them.
         self._replicas_stale, self._replicas_set = True, False
         self._check_ties()
@@ -243,7 +245,7 @@ class Pipeline:
         """Before the first send: each tied weight's two copies are split alike (by the tp
         styles of the two modules that hold them, then FSDP), or the sends would mix up their
         shards. Both ranks compare and raise."""
-        first_rank, last_rank = self.ranks[self.owners[0]], self.ranks[self.owners[-1]]
+        first_rank, last_rank = self.ends
         for names, (trained, replica) in zip(self.ties, self._tie_copies(), strict=True):
             if trained is None and replica is None:
                 continue
@@ -271,7 +273,7 @@ class Pipeline:
     def _gather_replica_grads(self) -> None:
         """Add each replica's gradient to the trained copy's (sent from the last stage's rank
         to the first's), and drop it: the optimizer steps the trained copy alone."""
-        first_rank, last_rank = self.ranks[self.owners[0]], self.ranks[self.owners[-1]]
+        first_rank, last_rank = self.ends
         for trained, replica in self._tie_copies():
             if not any(c is not None and c.requires_grad for c in (trained, replica)):
                 continue  # a middle stage's rank, or frozen (train.freeze freezes both copies)
@@ -298,7 +300,7 @@ class Pipeline:
         for stage in self.stages:  # sharded (an evaluation leaves the stages gathered): shards
             if hasattr(stage.model, "reshard"):  # FSDP's root unit, which holds the weight
                 stage.model.reshard()
-        first_rank, last_rank = self.ranks[self.owners[0]], self.ranks[self.owners[-1]]
+        first_rank, last_rank = self.ends
         for trained, replica in self._tie_copies():
             held = trained if trained is not None else replica
             if held is None or (self._replicas_set and not held.requires_grad):

@@ -411,7 +411,7 @@ def _check_tie_split(shapes: list[tuple[int, int]]) -> str:
     pipeline = Pipeline.__new__(Pipeline)  # the check alone, without torch's schedule
     pipeline.stages = [Stage(rank, model, None)]
     pipeline.ties = [["head.weight", "tail.weight"]]
-    pipeline.owners, pipeline.ranks, pipeline.group = [0, 1], [0, 1], dist.group.WORLD
+    pipeline.owners, pipeline.ends, pipeline.group = [0, 1], (0, 1), dist.group.WORLD
     pipeline.device = torch.device("cpu")
     try:
         pipeline._check_ties()
