@@ -45,7 +45,7 @@ class HealthConfig:
     all-gather per log interval) and name the slowest rank."""
     straggler_factor: float = 1.5
     """A rank whose own work per step (its step time less its wait for the others) is this
-    many times the median rank's is a straggler."""
+    many times the median of the other ranks' is a straggler."""
     straggler_intervals: int = 3
     """Warn when the same rank is a straggler for this many log intervals in a row."""
     flight_recorder_entries: int = 2000
@@ -306,7 +306,9 @@ class StragglerMeter:
         step_s, data_s, wait_s = torch.stack(everyone).cpu().T.tolist()
         own = [t - w for t, w in zip(step_s, wait_s, strict=True)]
         slowest = max(range(self.world_size), key=own.__getitem__)
-        median = statistics.median(own)
+        # The others' median, not everyone's: with 2 ranks everyone's is the mean of the two, so
+        # a rank 3x slower than its peer would read as only 1.5x "the median".
+        median = statistics.median(own[:slowest] + own[slowest + 1 :])
         lag = own[slowest] - median
         self._track(slowest, own[slowest], median)
         return {"straggler/slowest_rank": float(slowest), "straggler/lag_s": lag,
@@ -320,7 +322,7 @@ class StragglerMeter:
             self._suspect, self._in_a_row = -1, 0
         if self._in_a_row >= self.cfg.straggler_intervals and self.rank == 0:
             logger.warning(
-                "straggler: rank %d works %.3f s per step, %.1fx the median rank's %.3f s, "
+                "straggler: rank %d works %.3f s per step, %.1fx the others' median %.3f s, "
                 "for %d log intervals in a row (health.straggler_factor=%g): the others wait "
                 "for it", slowest, own, own / median, median, self._in_a_row,
                 self.cfg.straggler_factor,

@@ -194,7 +194,8 @@ def test_a_rank_slowed_by_a_sleep_is_named_as_the_straggler(
     slowest = dict(scalars["straggler/slowest_rank"])
     assert all(slowest[step] == SLOW_RANK for step in (4, 6, 8, 10)), slowest
     lag = dict(scalars["straggler/lag_s"])
-    assert all(lag[step] > 0.05 for step in (4, 6, 8, 10)) and lag[12] < 0.05, lag
+    # 0.3 s of sleep per step against the other rank's work; none after step 10.
+    assert all(lag[step] > 0.1 for step in (4, 6, 8, 10)) and lag[12] < 0.1, lag
     assert "straggler/data_wait_max" in scalars
 
 
