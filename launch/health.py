@@ -268,6 +268,15 @@ def dump_flight_recorder(run_dir: Path, rank: int, nccl: bool = False) -> Path |
     return path
 
 
+def slowest_rank(own: list[float]) -> tuple[int, float]:
+    """The rank with the most work per step (of 2 or more), and the median of the others'.
+
+    The others' median, not everyone's: with 2 ranks everyone's is the mean of the two, so a
+    rank 3x slower than its peer would read as only 1.5x "the median"."""
+    slowest = max(range(len(own)), key=own.__getitem__)
+    return slowest, statistics.median(own[:slowest] + own[slowest + 1 :])
+
+
 @dataclass
 class StragglerMeter:
     """Per-rank step time, data wait and wait for the others, summed between log lines.
@@ -305,10 +314,7 @@ class StragglerMeter:
         dist.all_gather(everyone, mine)
         step_s, data_s, wait_s = torch.stack(everyone).cpu().T.tolist()
         own = [t - w for t, w in zip(step_s, wait_s, strict=True)]
-        slowest = max(range(self.world_size), key=own.__getitem__)
-        # The others' median, not everyone's: with 2 ranks everyone's is the mean of the two, so
-        # a rank 3x slower than its peer would read as only 1.5x "the median".
-        median = statistics.median(own[:slowest] + own[slowest + 1 :])
+        slowest, median = slowest_rank(own)
         lag = own[slowest] - median
         self._track(slowest, own[slowest], median)
         return {"straggler/slowest_rank": float(slowest), "straggler/lag_s": lag,

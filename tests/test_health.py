@@ -16,17 +16,20 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from launch.hangs import report
 from launch.health import (
     HealthConfig,
     Heartbeat,
+    StragglerMeter,
     collective_failure,
     collective_kind,
     hang_line,
     lagging_ranks,
     read_heartbeats,
+    slowest_rank,
 )
 from tests.distributed import run_distributed
 from tests.test_launch import ROOT, alive, launch, tiny_args  # noqa: F401 - launch: fixture
@@ -93,6 +96,26 @@ def test_the_collective_and_the_failure_are_read_from_the_error(tmp_path: Path) 
     )
     line = hang_line(closed, Heartbeat(Path(), 2, 0), 4, 30)
     assert line.startswith("peer lost: rank 2 at step 0 (setup) lost a peer in barrier; no heart")
+
+
+def test_a_straggler_is_judged_against_the_other_ranks(caplog: pytest.LogCaptureFixture) -> None:
+    """With 2 ranks, a rank doing 3x its peer's work is 3x the others' median (everyone's
+    median, the mean of the two, would make it 1.5x: the factor's edge). Equal ranks are not
+    stragglers; the warning comes at the intervals-th interval in a row, from rank 0 only."""
+    assert slowest_rank([0.1, 0.3]) == (1, 0.1)
+    assert slowest_rank([0.1] * 7 + [0.2]) == (7, pytest.approx(0.1))
+    assert slowest_rank([0.25, 0.1, 0.3, 0.1]) == (2, 0.1)
+    cfg = HealthConfig()  # factor 1.5, 3 intervals
+    meters = [StragglerMeter(cfg, torch.device("cpu"), rank, 2) for rank in (0, 1)]
+    with caplog.at_level(logging.WARNING, logger="launch.health"):
+        for own in ([0.2, 0.2], [0.1, 0.3], [0.1, 0.3], [0.1, 0.3]):
+            slowest, median = slowest_rank(own)
+            for meter in meters:
+                meter._track(slowest, own[slowest], median)
+    warned = [r.getMessage() for r in caplog.records if "straggler" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(
+        "straggler: rank 1 works 0.300 s per step, 3.0x the others' median 0.100 s, for 3 log"
+    ), warned
 
 
 def test_bad_health_settings_are_config_errors() -> None:
