@@ -134,10 +134,16 @@ def lr_lambda(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     """Multiplier of the peak lr after `step` optimizer steps (LambdaLR convention)."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    if cfg.decay == "constant":
+    # Warmup-stable-decay: the peak until the last decay_steps steps (never before warm-up's
+    # end). The stable phase does not depend on total_steps, so a longer run shares it.
+    start = cfg.warmup_steps
+    if cfg.decay_steps > 0:
+        start = max(start, total_steps - cfg.decay_steps)
+    if cfg.decay == "constant" or step < start:
         return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.decay == "cosine" else 1 - progress
+    progress = min(1.0, (step - start) / max(1, total_steps - start))
+    shape = {"cosine": 0.5 * (1 + math.cos(math.pi * progress)), "linear": 1 - progress,
+             "sqrt": 1 - math.sqrt(progress)}[cfg.decay]  # fmt: skip
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 

@@ -280,6 +280,13 @@ def unintended_settings(job: JobConfig) -> list[str]:
             f"optim.warmup_steps ({job.optim.warmup_steps}) > train.steps ({steps}): the "
             f"learning rate never reaches optim.lr ({job.optim.lr}) and never decays"
         )
+    optim = job.optim
+    if optim.decay_steps > 0 and optim.warmup_steps + optim.decay_steps > steps:
+        warnings.append(
+            f"optim.warmup_steps ({optim.warmup_steps}) + optim.decay_steps "
+            f"({optim.decay_steps}) > train.steps ({steps}): no stable phase, the decay takes "
+            f"the {max(0, steps - optim.warmup_steps)} steps after warm-up"
+        )
     if job.metrics.profile_step > steps:
         warnings.append(
             f"metrics.profile_step ({job.metrics.profile_step}) > train.steps ({steps}): "

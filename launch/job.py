@@ -54,8 +54,14 @@ class OptimizerConfig:
     """The schedule decays to lr * min_lr_ratio at the last step."""
     warmup_steps: int = 20
     """Steps of linear warm-up from lr / warmup_steps to lr."""
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    """Shape of the decay after warm-up."""
+    decay: Literal["cosine", "linear", "sqrt", "constant"] = "cosine"
+    """Shape of the decay: 'cosine', 'linear', 'sqrt' (1 - sqrt of the decay's progress, the
+    usual cool-down of warmup-stable-decay) or 'constant' (no decay)."""
+    decay_steps: int = 0
+    """0: the decay spans every step after warm-up. N > 0: warmup-stable-decay; the lr holds
+    at its peak until the last N steps of train.steps and decays over them (from the peak at
+    the first to lr * min_lr_ratio after the last, as the default decay does). A resume that
+    raises train.steps from a checkpoint of the stable phase is then the run planned longer."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, for matrices only (norm gains are never decayed)."""
     beta1: float = 0.9
@@ -76,6 +82,7 @@ class OptimizerConfig:
             ("lr", self.lr > 0, "> 0"),
             ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
             ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+            ("decay_steps", self.decay_steps >= 0, ">= 0"),
             ("weight_decay", self.weight_decay >= 0, ">= 0"),
             ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
             ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
@@ -84,6 +91,11 @@ class OptimizerConfig:
         for name, ok, rule in rules:
             if not ok:
                 raise ConfigError(f"optim.{name} must be {rule}, got {getattr(self, name)}")
+        if self.decay_steps > 0 and self.decay == "constant":
+            raise ConfigError(
+                f"optim.decay_steps={self.decay_steps} with optim.decay='constant': nothing "
+                "decays; set optim.decay to 'cosine', 'linear' or 'sqrt', or decay_steps to 0"
+            )
 
 
 # The loop's own settings (train.py); launch/check.py checks the batch arithmetic.

@@ -375,6 +375,30 @@ def test_restart_of_a_finetune_resumes_its_own_checkpoint(
     assert first + again == straight
 
 
+@pytest.mark.slow
+def test_a_warmup_stable_decay_run_resumed_with_more_steps_is_the_longer_run(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """optim.decay_steps: the lr holds its peak until the run's last N steps, so a 6-step run
+    resumed from its step 3 (the stable phase) with train.steps=9 is, bitwise, the 9-step run:
+    its decay moves to the last 3 steps of 9. (Under the default decay, spread over the whole
+    run, raising train.steps changes every step's lr.)"""
+    wsd = ["--optim.warmup_steps=2", "--optim.decay_steps=3", "--optim.decay=sqrt",
+           "--checkpoint.interval=3", "--checkpoint.keep_last=0"]  # fmt: skip
+    short = run_distributed(train_losses, 2, [*argv(tiny_dataset, tmp_path, "six", *wsd),
+                                              "--train.steps=6"])[0]  # fmt: skip
+    resume = f"--checkpoint.resume={ckpt(tmp_path, 'six', 3)}"
+    extended = run_distributed(train_losses, 2, [*argv(tiny_dataset, tmp_path, "more", *wsd),
+                                                 "--train.steps=9", resume])[0]  # fmt: skip
+    straight = run_distributed(train_losses, 2, [*argv(tiny_dataset, tmp_path, "nine", *wsd),
+                                                 "--train.steps=9"])[0]  # fmt: skip
+    # The decay's first step is at the peak (it ends at lr * min_lr_ratio after the last step,
+    # as the default decay does), so the 6-step run's step 5 is its first with a lower lr, and
+    # the loss of step 6 the first to show it.
+    assert short[:5] == straight[:5] and short[5] != straight[5]
+    assert extended == straight[3:]
+
+
 # ---- damaged checkpoints and full disks -----------------------------------------------------
 
 

@@ -49,6 +49,11 @@ def run_cli(args: list[str], nproc: int = 2, timeout: float = 120) -> subprocess
         ("--optim.beta1=1.5", "optim.beta1 must be in [0, 1), got 1.5"),
         ("--optim.eps=-1", "optim.eps must be > 0, got -1.0"),
         ("--optim.weight_decay=-0.1", "optim.weight_decay must be >= 0, got -0.1"),
+        ("--optim.decay_steps=-1", "optim.decay_steps must be >= 0, got -1"),
+        (
+            "--optim.decay_steps=5 --optim.decay=constant",
+            "optim.decay_steps=5 with optim.decay='constant': nothing decays; set optim.decay to",
+        ),
         ("--model.rope_theta=0", "model.rope_theta must be > 0, got 0.0"),
         ("--metrics.peak_tflops=-5", "metrics.peak_tflops must be > 0, got -5.0"),
         # Folders stay inside their parent, and an empty one is not the parent itself.
@@ -99,8 +104,9 @@ def test_an_empty_path_in_a_config_file_is_one_config_error(
 def test_settings_that_are_valid_but_likely_unintended_are_warned_about(
     tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A warm-up longer than the run never reaches the peak lr, a profile step past the end
-    profiles nothing: rank 0 says so, and the run goes on (a short test of a long config)."""
+    """A warm-up longer than the run never reaches the peak lr, a warm-up and decay longer
+    than the run leave no stable phase, a profile step past the end profiles nothing: rank 0
+    says so, and the run goes on (a short test of a long config)."""
     argv = [*base_argv(tiny_dataset, tmp_path), "--train.micro_batch_size=2", "--dry-run"]
     os.environ.pop("WORLD_SIZE", None)
     with caplog.at_level(logging.WARNING, logger="train"):
@@ -114,7 +120,17 @@ def test_settings_that_are_valid_but_likely_unintended_are_warned_about(
     ]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="train"):
+        assert train.main([*argv, "--train.steps=10", "--optim.warmup_steps=4",
+                           "--optim.decay_steps=8"]) == 0  # fmt: skip
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "optim.warmup_steps (4) + optim.decay_steps (8) > train.steps (10): no stable phase, "
+        "the decay takes the 6 steps after warm-up"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="train"):
         assert train.main([*argv, "--train.steps=20", "--optim.warmup_steps=20"]) == 0
+        assert train.main([*argv, "--train.steps=20", "--optim.warmup_steps=4",
+                           "--optim.decay_steps=16"]) == 0  # fmt: skip
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 

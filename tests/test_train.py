@@ -178,3 +178,21 @@ def test_lr_schedule_warmup_then_decay_to_minimum() -> None:
     assert lr_lambda(5, linear, 10) == pytest.approx(0.5)
     constant = OptimizerConfig(warmup_steps=2, decay="constant")
     assert [lr_lambda(s, constant, 10) for s in (0, 1, 5, 9)] == [0.5, 1.0, 1.0, 1.0]
+    sqrt = OptimizerConfig(warmup_steps=0, min_lr_ratio=0.0, decay="sqrt")
+    assert lr_lambda(4, sqrt, 16) == pytest.approx(0.5)  # 1 - sqrt(1/4)
+
+
+def test_warmup_stable_decay_holds_the_peak_until_the_last_decay_steps() -> None:
+    from launch.job import OptimizerConfig
+    from train import lr_lambda
+
+    wsd = OptimizerConfig(lr=1.0, warmup_steps=2, decay_steps=4, min_lr_ratio=0.0, decay="linear")
+    lrs = [lr_lambda(s, wsd, total_steps=10) for s in range(11)]
+    assert lrs == pytest.approx([0.5, 1, 1, 1, 1, 1, 1, 0.75, 0.5, 0.25, 0])
+    # A longer run shares every step before its own decay: what resuming with more
+    # train.steps from the stable phase relies on.
+    assert [lr_lambda(s, wsd, total_steps=30) for s in range(6)] == lrs[:6]
+    # A decay longer than what follows warm-up takes just that (check_config warns).
+    assert lr_lambda(3, wsd, total_steps=4) == lr_lambda(
+        3, OptimizerConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.0, decay="linear"), 4
+    )
