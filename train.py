@@ -147,6 +147,18 @@ def lr_lambda(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
+def schedule_line(cfg: OptimizerConfig, total_steps: int) -> str:
+    """The optimizer and its lr schedule in words, for the run's first lines."""
+    lr = f"lr {cfg.lr:g}" + (f", muon lr {cfg.muon.lr:g}" if cfg.name == "muon" else "")
+    warmup = f"warm-up {cfg.warmup_steps} steps" if cfg.warmup_steps else "no warm-up"
+    if cfg.decay == "constant":
+        return f"optim: {cfg.name}, {lr}: {warmup}, then constant"
+    start = max(cfg.warmup_steps, total_steps - cfg.decay_steps) if cfg.decay_steps else None
+    stable = f", the peak to step {start}" if start is not None and start > cfg.warmup_steps else ""
+    return (f"optim: {cfg.name}, {lr}: {warmup}{stable}, then {cfg.decay} decay to "
+            f"{cfg.min_lr_ratio:g}x the peak by step {total_steps}")  # fmt: skip
+
+
 def apply_optimizer_config(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LambdaLR,
@@ -848,6 +860,7 @@ def log_orientation(job: JobConfig, plan: Plan, run_dir: Path, ckpt_folder: Path
     sources = ", ".join(f"{n} {s.weight:g} ({s.path})" for n, s in d.sources.items()) or d.path
     mask = d.attention_mask + (", positions per document" if d.document_positions else "")
     logger.info("data: %s; seq_len %d, %s attention", sources, d.seq_len, mask)
+    logger.info("%s", schedule_line(job.optim, job.train.steps))
     if job.metrics.wandb:  # its project, mode, entity and group, and what set each
         logger.info("%s", resolve_wandb(job.metrics, job.run.name, run_dir, os.environ).line())
     # The start from a checkpoint is logged by Checkpointer.load once its checksums match (a

@@ -189,6 +189,8 @@ def test_two_ranks_train_log_and_write_tensorboard(tiny_dataset: str, tmp_path: 
     assert "[rank0]" in logs and "[rank1]" not in logs  # one voice
     assert "step 6/6  loss" in logs and "tok/s" in logs and "val_loss" in logs
     assert "TensorBoard: tensorboard --logdir" in logs and "done: step 6/6" in logs
+    assert "optim: adamw, lr 0.003: warm-up 2 steps, then cosine decay to 0.1x the peak by " \
+        "step 6" in logs, logs[:3000]  # fmt: skip
 
     run_dir = tmp_path / "e2e"
     written = tomllib.loads((run_dir / "config.toml").read_text())

@@ -184,7 +184,7 @@ def test_lr_schedule_warmup_then_decay_to_minimum() -> None:
 
 def test_warmup_stable_decay_holds_the_peak_until_the_last_decay_steps() -> None:
     from launch.job import OptimizerConfig
-    from train import lr_lambda
+    from train import lr_lambda, schedule_line
 
     wsd = OptimizerConfig(lr=1.0, warmup_steps=2, decay_steps=4, min_lr_ratio=0.0, decay="linear")
     lrs = [lr_lambda(s, wsd, total_steps=10) for s in range(11)]
@@ -192,6 +192,18 @@ def test_warmup_stable_decay_holds_the_peak_until_the_last_decay_steps() -> None
     # A longer run shares every step before its own decay: what resuming with more
     # train.steps from the stable phase relies on.
     assert [lr_lambda(s, wsd, total_steps=30) for s in range(6)] == lrs[:6]
+    # The run's first lines say it (train.log_orientation).
+    assert schedule_line(wsd, 10) == (
+        "optim: adamw, lr 1: warm-up 2 steps, the peak to step 6, then linear decay to 0x the "
+        "peak by step 10"
+    )
+    assert schedule_line(OptimizerConfig(), 300) == (
+        "optim: adamw, lr 0.0003: warm-up 20 steps, then cosine decay to 0.1x the peak by step 300"
+    )
+    flat = OptimizerConfig(name="muon", warmup_steps=0, decay="constant")
+    assert schedule_line(flat, 9) == (
+        "optim: muon, lr 0.0003, muon lr 0.0003: no warm-up, then constant"
+    )
     # A decay longer than what follows warm-up takes just that (check_config warns).
     assert lr_lambda(3, wsd, total_steps=4) == lr_lambda(
         3, OptimizerConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.0, decay="linear"), 4
