@@ -130,15 +130,20 @@ def build_optimizer(
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
 
 
+def decay_start(cfg: OptimizerConfig, total_steps: int) -> int:
+    """The step the decay starts from: warm-up's end, or with warmup-stable-decay the last
+    decay_steps steps (never before warm-up's end). The stable phase before it does not depend
+    on total_steps, so a longer run shares it."""
+    if cfg.decay_steps == 0:
+        return cfg.warmup_steps
+    return max(cfg.warmup_steps, total_steps - cfg.decay_steps)
+
+
 def lr_lambda(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     """Multiplier of the peak lr after `step` optimizer steps (LambdaLR convention)."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    # Warmup-stable-decay: the peak until the last decay_steps steps (never before warm-up's
-    # end). The stable phase does not depend on total_steps, so a longer run shares it.
-    start = cfg.warmup_steps
-    if cfg.decay_steps > 0:
-        start = max(start, total_steps - cfg.decay_steps)
+    start = decay_start(cfg, total_steps)
     if cfg.decay == "constant" or step < start:
         return 1.0
     progress = min(1.0, (step - start) / max(1, total_steps - start))
@@ -153,8 +158,8 @@ def schedule_line(cfg: OptimizerConfig, total_steps: int) -> str:
     warmup = f"warm-up {cfg.warmup_steps} steps" if cfg.warmup_steps else "no warm-up"
     if cfg.decay == "constant":
         return f"optim: {cfg.name}, {lr}: {warmup}, then constant"
-    start = max(cfg.warmup_steps, total_steps - cfg.decay_steps) if cfg.decay_steps else None
-    stable = f", the peak to step {start}" if start is not None and start > cfg.warmup_steps else ""
+    start = decay_start(cfg, total_steps)
+    stable = f", the peak to step {start}" if start > cfg.warmup_steps else ""
     return (f"optim: {cfg.name}, {lr}: {warmup}{stable}, then {cfg.decay} decay to "
             f"{cfg.min_lr_ratio:g}x the peak by step {total_steps}")  # fmt: skip
 
