@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from checkpoint import (
     Checkpointer,
     CheckpointError,
+    ResumePoint,
     TrainState,
     build_states,
     checkpoint_folder,
@@ -41,10 +42,10 @@ from checkpoint.hf import load_hf_weights
 from checkpoint.state import read_mesh
 from configs import ConfigError, HelpRequested, config_to_toml, parse_config
 from data.documents import MicroBatch, micro_batch
-from data.loader import DataSource, build_dataloader
+from data.loader import DataSource, StepBatches, build_dataloader
 from data.stream import SourceMeter
 from data.tasks import Task, task_batches, task_scores, task_warnings
-from launch.check import Plan, check_config, dry_run, unintended_settings
+from launch.check import Plan, check_config, dry_run, replica_settings, unintended_settings
 from launch.elastic import (
     NODE_LOST_EXIT,
     Mesh,
@@ -88,6 +89,7 @@ from parallel.cp import split_after
 from parallel.dims import LaunchEnv
 from parallel.ep import build_expert_mesh
 from parallel.fsdp import assign_local_shard, reshard_plan
+from parallel.ft import Replicas, ReplicasDiverged, build_replicas, group_folder
 from parallel.lora import adapter_names, init_lora
 from parallel.loss import ChunkedLoss
 from parallel.muon import Muon, muon_groups
@@ -239,7 +241,7 @@ def train(
     NodeLost: a rank's launcher died, and every rank saved the step in flight."""
     stop = stop or StopRequest()
     device = pick_device(job.parallel.device, env)
-    run_dir = Path(job.run.output_dir) / job.run.name
+    run_dir = group_folder(Path(job.run.output_dir) / job.run.name, job.ft)
     health = job.health
     init_distributed(device, env, job.parallel.timeout_s, health.flight_recorder_entries,
                      run_dir / "comm_traces")  # fmt: skip
@@ -257,7 +259,8 @@ def train(
         losses, lost = _train(job, plan, env, device, stop, heartbeat)
         ended = "finished" if lost is None else "stopped: its launcher died"
     except RuntimeError as err:
-        ours = (CollectiveFailure, NonFiniteError, CheckpointError)  # each says its own line
+        # Each says its own line.
+        ours = (CollectiveFailure, NonFiniteError, CheckpointError, ReplicasDiverged)
         if isinstance(err, ours) or collective_failure(err) is None:
             raise
         # One line instead of a traceback from inside FSDP, and the evidence kept on disk.
@@ -303,6 +306,8 @@ class Run:
     """Where this rank is (step, phase), for the others to read (launch/health.py)."""
     pipeline: Pipeline | None = None
     """Under pipeline parallel (parallel.pp > 1): this rank's stages on their schedule."""
+    replicas: Replicas = field(default_factory=Replicas)
+    """The replica groups beyond this job (ft.enabled, parallel/ft.py), or none."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -324,6 +329,8 @@ class StepResult:
     """The model's own scalars to log (the family's step terms), at a log step."""
     wait_s: float = 0.0
     """Seconds this rank waited in the step's first all-reduce: for the others to arrive."""
+    committed: bool = True
+    """False: a replica group failed during the step (ft.enabled); nothing of it was applied."""
 
 
 def _train(
@@ -339,8 +346,9 @@ def _train(
     torch.manual_seed(job.train.seed)
     torch.use_deterministic_algorithms(job.train.deterministic)
     mesh = build_mesh(device, plan.dp_replicate, plan.dp_shard, plan.tp, plan.cp, plan.pp)
-    run_dir = Path(job.run.output_dir) / job.run.name
-    ckpt_folder = checkpoint_folder(job.checkpoint, run_dir)
+    # Under ft.enabled each replica group logs in a folder of its own; checkpoints are shared.
+    ckpt_folder = checkpoint_folder(job.checkpoint, Path(job.run.output_dir) / job.run.name)
+    run_dir = group_folder(Path(job.run.output_dir) / job.run.name, job.ft)
     config_toml = config_to_toml(job)
     if env.rank == 0:
         if plan.resume is None or plan.resume.model_only:
@@ -351,11 +359,16 @@ def _train(
         logger.info("mesh %s on %s, grad accumulation %d", mesh, device, plan.grad_accum_steps)
     run = setup(job, plan, env, mesh, device)
     run.heartbeat = heartbeat
-    loader = build_loader(job, plan, "train", run.dp_rank, run.dp_size)
+    # The replica groups beyond this job (ft.enabled: parallel/ft.py): each reads its part of
+    # the stream, as HSDP's replicas do, and the checkpoint records the mesh they make up.
+    run.replicas = replicas = build_replicas(job.ft, env.rank, env.world_size, device,
+                                             replica_settings(job, env))  # fmt: skip
+    loader = build_loader(job, plan, "train", *replicas.data_slice(run.dp_rank, run.dp_size))
     # Resume: everything that changes during training is a Stateful in one dict, loaded in
     # place before the loader is iterated (DCP reshards it onto this mesh).
-    mesh_now = Mesh(env.world_size, env.num_nodes, plan.dp_replicate, plan.dp_shard,
-                    plan.grad_accum_steps)  # fmt: skip
+    groups = replicas.groups
+    mesh_now = Mesh(env.world_size * groups, env.num_nodes * groups, plan.dp_replicate * groups,
+                    plan.dp_shard, plan.grad_accum_steps)  # fmt: skip
     states = build_states(
         run.model, run.optimizer, run.scheduler, loader, run.progress, config_toml,
         mesh_now.as_dict(),
@@ -364,23 +377,15 @@ def _train(
     if env.rank == 0 and job.checkpoint.interval > 0:
         warn_if_low_space(ckpt_folder, checkpoint_bytes(run))
     heartbeat.beat(0, "resume")
-    # An older one if plan.resume is damaged; logs the resume, once verified.
-    resumed = checkpointer.load(states, plan.resume, job.train.steps)
-    if env.rank == 0 and resumed is not None and not resumed.model_only:
-        log_resume_changes(job, plan, resumed.path, resumed.step, mesh_now)
-    # The checkpoint brought its own lr, betas, ...: what this run's config says wins (the
-    # changes were checked and listed by check_config).
-    apply_optimizer_config(
-        run.optimizer, run.scheduler, job.optim, run.progress.step, job.train.steps
-    )
-    if env.rank == 0 and run.progress.step >= job.train.steps:
-        logger.info("resumed at step %d of train.steps=%d: nothing to do", run.progress.step,
-                    job.train.steps)  # fmt: skip
+    # Now, or under ft.enabled at the first quorum, unless the group heals from a peer instead.
+    load = partial(resume, run, checkpointer, states, mesh_now)
+    resumed = replicas.attach(run.built.parts, states, load)
     end = loop(run, loader, checkpointer, states, run_dir, stop)
     checkpointer.wait()  # an async save still in flight must finish before the group goes
     # No rank exits before rank 0 has marked the last save complete: under srun
     # --kill-on-bad-exit the first node whose launcher exits ends the others' processes.
     dist.barrier()
+    replicas.close(None if end.stopped else run.progress.step)
     if env.rank == 0:
         summary = RunSummary(
             run.progress.step, job.train.steps, end.losses, end.val_loss,
@@ -398,6 +403,26 @@ def _train(
             "docs/launch.md)"
         )
     return end.losses, None
+
+
+def resume(
+    run: Run, checkpointer: Checkpointer, states: dict[str, Any], mesh_now: Mesh
+) -> ResumePoint | None:
+    """Load the run's checkpoint (if any) into `states`; returns the one loaded."""
+    job, plan, env = run.job, run.plan, run.env
+    # An older one if plan.resume is damaged; logs the resume, once verified.
+    resumed = checkpointer.load(states, plan.resume, job.train.steps)
+    if env.rank == 0 and resumed is not None and not resumed.model_only:
+        log_resume_changes(job, plan, resumed.path, resumed.step, mesh_now)
+    # The checkpoint brought its own lr, betas, ...: what this run's config says wins (the
+    # changes were checked and listed by check_config).
+    apply_optimizer_config(
+        run.optimizer, run.scheduler, job.optim, run.progress.step, job.train.steps
+    )
+    if env.rank == 0 and run.progress.step >= job.train.steps:
+        logger.info("resumed at step %d of train.steps=%d: nothing to do", run.progress.step,
+                    job.train.steps)  # fmt: skip
+    return resumed
 
 
 def checkpoint_bytes(run: Run) -> int:
@@ -509,6 +534,7 @@ def train_step(
     run.heartbeat.beat(step, "forward")
     started = synchronized_time(global_tokens.device) if timed else 0.0
     dist.all_reduce(global_tokens)
+    run.replicas.sum(global_tokens)  # and the other replica groups' (ft.enabled)
     wait_s = synchronized_time(global_tokens.device) - started if timed else 0.0
     if run.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
         with loss_context(tp):
@@ -526,20 +552,26 @@ def train_step(
     # step, also one whose part of it is not done yet, with no extra collective. Read now, not
     # when the step began: a signal during this step stops the run after it, as its line says.
     flags = torch.tensor([*stop.read(), saved], dtype=torch.float32, device=loss_sum.device)
-    summed = torch.cat([loss_sum.view(1), flags,
-                        stats if stats is not None else loss_sum.new_zeros(0)])  # fmt: skip
+    stats = stats if stats is not None else loss_sum.new_zeros(0)
+    summed = torch.cat([loss_sum.view(1), stats, flags])
     dist.all_reduce(summed)
+    # The loss and statistics of every replica group; the flags stay this group's (ft.enabled).
+    run.replicas.sum(summed[: 1 + stats.numel()])
     # One device-to-host copy for the five values every rank needs now.
-    needed = torch.cat([summed[:4], grad_norm.view(1)]).tolist()
+    needed = torch.cat([summed[:1], summed[-3:], grad_norm.view(1)]).tolist()
     loss_value, stop_value, lost_value, saved_value, norm_value = needed
     stop.decided(step, stop_value > 0)
+    if not run.replicas.commit(step):  # a replica group failed in the step: none of it applies
+        run.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss_value, norm_value, 0.0, stop_value > 0, lost_value > 0,
+                          saved_value > 0, {}, wait_s, committed=False)  # fmt: skip
     if math.isfinite(loss_value) and math.isfinite(norm_value):
         run.optimizer.step()
         run.skipped_in_a_row = 0
     else:
         non_finite(run, loss_value, norm_value)
     # Every tp rank added the same statistics: / tp.
-    scalars = run.built.after_step(summed[4:] / tp if stats is not None else None, log)
+    scalars = run.built.after_step(summed[1:-3] / tp if stats.numel() else None, log)
     run.optimizer.zero_grad(set_to_none=True)
     lr = run.optimizer.param_groups[0]["lr"]
     run.scheduler.step()
@@ -640,7 +672,8 @@ def loop(
     its intervals. A stop request saves after the step in flight (the next start redoes no
     finished step)."""
     job, t, progress, is_rank0 = run.job, run.job.train, run.progress, run.env.rank == 0
-    batches = iter(loader)  # loads the checkpoint's data position (and any new mixture weights)
+    # Iterating loads the checkpoint's data position (and any new mixture weights).
+    batches = StepBatches(loader, run.plan.grad_accum_steps, rewind=run.replicas.groups > 1)
     # What each source has served is a function of the stream position: rank 0 counts tokens
     # per source and sees a source run out without asking the other ranks or the workers.
     sources_seen = SourceMeter(loader.batch_sampler.stream, job.data.seq_len, progress.samples_seen)
@@ -653,15 +686,23 @@ def loop(
     stragglers = StragglerMeter(job.health, run.device, run.env.rank, run.env.world_size)
     beat = run.heartbeat.beat
     stop.start(progress.step + 1, t.steps)  # a signal's line names the step it stops after
-    for step in range(progress.step + 1, t.steps + 1):
+    while progress.step < t.steps:
+        if run.replicas.start_step():  # state loaded (ft.enabled): a peer's, or a checkpoint's
+            batches.restart()
+            if progress.step >= t.steps:
+                break
+        step = progress.step + 1
         beat(step, "data")
         # All micro-batches up front: their target count fixes the loss normalization.
-        micro_batches = [run.to_batch(*next(batches)) for _ in range(run.plan.grad_accum_steps)]
+        micro_batches = [run.to_batch(*batch) for batch in batches.next_step()]
         data_time = timer.lap()
         log = step % job.metrics.log_interval == 0 or step == t.steps
         # One step (by default none) under torch.profiler: see metrics.profile_step.
         with profile_step(job.metrics, step, run_dir, run.env.rank):
             result = train_step(run, micro_batches, log, stop, checkpointer.save_done)
+        if not result.committed:  # a replica group failed in it: the groups left run it again
+            batches.again()
+            continue
         end.losses.append(result.loss)
         progress.step = step
         progress.samples_seen += t.global_batch_size
@@ -681,6 +722,7 @@ def loop(
                 scalars |= stragglers.gather()
             eta = (time.perf_counter() - end.started) / len(end.losses) * (t.steps - step)
             scalars |= result.scalars | source_scalars | meter.summary() | memory_stats(run.device)
+            scalars |= run.replicas.scalars()
             metrics.log(step, scalars, eta_s=eta)
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
             beat(step, "eval")
@@ -689,7 +731,8 @@ def loop(
         # After the optimizer step, so the checkpoint of step N holds N updates.
         beat(step, "checkpoint")
         last = step == t.steps or result.stop
-        if checkpointer.maybe_save(step, states, last=last, finish=result.saved):
+        saves = run.replicas.writes_checkpoints  # one replica group writes (ft.enabled)
+        if saves and checkpointer.maybe_save(step, states, last=last, finish=result.saved):
             end.saved = step_dir(checkpointer.folder, step)
             timer.lap()  # nor is saving: its time is logged on its own line
         if result.stop:
@@ -709,7 +752,9 @@ def throughput_meter(run: Run) -> ThroughputMeter:
     # The peak MFU is measured against (none is listed for fp32: set metrics.peak_tflops).
     precision = "fp8" if job.fp8.enabled else {"bfloat16": "bf16"}.get(job.parallel.param_dtype)
     peak = peak_tflops(run.device, precision, job.metrics.peak_tflops)
-    return ThroughputMeter(job.metrics.warmup_steps, run.env.world_size, flops, peak)
+    # Under ft.enabled the replica groups are more devices of the run, as HSDP's replicas are.
+    devices = run.env.world_size * run.replicas.groups
+    return ThroughputMeter(job.metrics.warmup_steps, devices, flops, peak)
 
 
 def validate(run: Run, metrics: MetricsLogger, step: int) -> tuple[float, dict[str, float]]:
@@ -912,7 +957,7 @@ def main(argv: list[str] | None = None) -> int:
         return report(env, f"config error: {err}", 2)
     except LaunchError as err:  # each node once: another node's may differ from rank 0's
         return report(env, str(err), 2, everywhere=env.local_rank == 0)
-    except (NonFiniteError, CheckpointError) as err:  # one line each, e.g. a full disk
+    except (NonFiniteError, CheckpointError, ReplicasDiverged) as err:  # one line each
         return report(env, str(err), 1)
     except NodeLost as err:  # one line per node left: each agent restarts its own workers
         return report(env, str(err), NODE_LOST_EXIT, everywhere=env.local_rank == 0)

@@ -440,6 +440,32 @@ def build_dataloader(
     )
 
 
+class StepBatches:
+    """The train loader a step (`micro_steps` micro-batches) at a time. With `rewind`, a step
+    can be read `again()` (one the replica groups did not commit, parallel/ft.py); `restart()`
+    continues from a state just loaded into the loader (a group healed from a peer)."""
+
+    def __init__(self, loader: StatefulDataLoader, micro_steps: int, rewind: bool) -> None:
+        self.loader, self.micro_steps, self.rewind = loader, micro_steps, rewind
+        self._step_start: dict[str, Any] | None = None
+        self.restart()
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.rewind:
+            self._step_start = self.loader.state_dict()
+        return [next(self._batches) for _ in range(self.micro_steps)]
+
+    def again(self) -> None:
+        if self._step_start is None:
+            raise RuntimeError("StepBatches.again needs rewind=True and a step read")
+        self.loader.load_state_dict(self._step_start)
+        self.restart()
+
+    def restart(self) -> None:
+        # A new iterator continues from the loader's state (see build_dataloader).
+        self._batches = iter(self.loader)
+
+
 # Up to this many tokens per split are scanned whole (uint16: 512 MB at memory bandwidth, a
 # fraction of a second from the page cache); a larger split is sampled: about SAMPLE_BLOCKS
 # blocks spread over it in proportion to each shard's size, and at least one per shard.

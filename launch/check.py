@@ -56,6 +56,7 @@ from parallel.compile import CompileConfig
 from parallel.cp import check_cp
 from parallel.dims import LaunchEnv
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
+from parallel.ft import check_ft, group_folder
 from parallel.graph_fsdp import check_graph_fsdp
 from parallel.loss import check_chunked_loss
 from parallel.muon import MuonConfig, check_muon
@@ -68,6 +69,7 @@ from parallel.plan import (
 )
 from parallel.pp import check_pp
 from parallel.pp_plan import balanced_split, block_costs, describe, plan_pipeline
+from parallel.runtime import launched_by_torchrun
 from parallel.tp import check_tp
 
 logger = logging.getLogger("launch.check")
@@ -128,11 +130,13 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     # same global batch, or one line that says what would fit; launch/elastic.py).
     mesh = mesh_for_world(job, family, args, env)
     dp_replicate, dp_shard, accum = mesh.dp_replicate, mesh.dp_shard, mesh.grad_accum_steps
+    check_replica_groups(job, dp_replicate)
     check_tp(family, args, job.parallel.tp, job.model.name)
     check_chunked_loss(family, job.train.loss_chunk_tokens,
                        job.parallel.reshard_after_forward, job.model.name)  # fmt: skip
     check_cp(job.parallel, job.data.seq_len)
-    dp = dp_replicate * dp_shard
+    # The data-parallel ranks of the global batch: under ft.enabled every group's too.
+    dp = dp_replicate * dp_shard * (job.ft.groups if job.ft.enabled else 1)
     t = job.train
     # A dry run needs no data: it reports the plan for a cluster the data may not be on yet.
     paths = data_paths(job.data)
@@ -192,6 +196,66 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         tp=job.parallel.tp, ep=job.parallel.ep, cp=job.parallel.cp, pp=job.parallel.pp,
         stage_sizes=stage_sizes, sources=sources, tasks=tasks,
     )  # fmt: skip
+
+
+# Set by main: the launch scripts' check of a config before torchrun starts the ranks.
+_preflight = False
+
+
+def check_replica_groups(job: JobConfig, dp_replicate: int) -> None:
+    """ConfigError for fault-tolerant replica groups (ft.enabled, parallel/ft.py) that cannot
+    run: what the group's mesh cannot hold, then torchft, torchrun and the lighthouse."""
+    if not job.ft.enabled:
+        return
+    p = job.parallel
+    refused = (
+        (dp_replicate > 1, f"parallel.dp_replicate={dp_replicate}", "the replica groups are "
+         "the replicate dimension: each group shards over dp_shard; set dp_replicate=1"),
+        (p.ep > 1, "parallel.ep > 1", "FSDP2's all-reduce hook, which sums gradients over the "
+         "groups, takes one mesh per module and expert parallel gives the experts a second "
+         "(torch refuses the hook there); run ep=1"),
+        (job.compile.fsdp == "graph", "compile.fsdp='graph'", "the compiled graph holds FSDP's "
+         "collectives and has no all-reduce hook for the groups; use compile.fsdp='hooks'"),
+    )  # fmt: skip
+    for bad, setting, why in refused:
+        if bad:
+            raise ConfigError(f"ft.enabled with {setting}: {why}")
+    if job.dry_run:  # a plan for a cluster: its lighthouse need not be up yet
+        return
+    # The launch scripts' preflight (this module's main) runs before torchrun starts the ranks.
+    check_ft(job.ft, dict(os.environ), launched_by_torchrun() or _preflight)
+
+
+def replica_settings(job: JobConfig, env: LaunchEnv) -> dict[str, Any]:
+    """What every replica group must agree on (ft.enabled): compared at each step's quorum,
+    a difference is one line naming the setting (parallel/ft.py)."""
+    d, t = job.data, job.train
+    return {
+        "[model]": repr(job.model),
+        "data (path, sources, seq_len, attention_mask)": (
+            d.path,
+            repr(d.sources),
+            d.seq_len,
+            d.attention_mask,
+        ),  # fmt: skip
+        "train.global_batch_size": t.global_batch_size,
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.seed": t.seed,
+        "train.steps": t.steps,
+        "[optim]": repr(job.optim),
+        "ft (groups, min_groups, compare_interval)": (
+            job.ft.groups,
+            job.ft.min_groups,
+            job.ft.compare_interval,
+        ),  # fmt: skip
+        "the group's world size": env.world_size,
+        "parallel (dp_shard, tp, cp, pp)": (
+            job.parallel.dp_shard,
+            job.parallel.tp,
+            job.parallel.cp,
+            job.parallel.pp,
+        ),  # fmt: skip
+    }
 
 
 def check_built_model(job: JobConfig, args: Any, meta_model: torch.nn.Module) -> None:
@@ -505,7 +569,7 @@ def validate(argv: list[str], env: LaunchEnv, min_nodes: int | None = None) -> i
         # launch (min_nodes < nodes): a node that joins a running job finds its own run's lock
         # held; a second run is still refused, by its rank 0 (train.py), a little later.
         if not job.dry_run and not (min_nodes and min_nodes < env.num_nodes):
-            lock = RunLock(Path(job.run.output_dir) / job.run.name)
+            lock = RunLock(group_folder(Path(job.run.output_dir) / job.run.name, job.ft))
             # A few tries: the checks of several nodes may probe a shared folder at once, each
             # holding the lock for an instant; a trainer holds it for the whole run.
             for _ in range(4):
@@ -566,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     args, train_argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
 
     setup_logging(0)
+    global _preflight
+    _preflight = True
     if problem := check_network(dict(os.environ), args.nnodes):
         logger.error("network error: %s", problem)
         return 2

@@ -61,7 +61,8 @@ def choose_mesh(job: JobConfig, family: ModelFamily, args: Any, env: LaunchEnv) 
     dp_replicate, dp_shard = resolve_dims(job.parallel, env)
     fsdp_ranks = dp_shard * job.parallel.cp  # FSDP and EP take cp ranks as data-parallel ones
     check_ep(family, args, job.parallel, fsdp_ranks, job.model.name, job.compile)
-    dp, t = dp_replicate * dp_shard, job.train
+    # Under ft.enabled (parallel/ft.py) the global batch is split over the replica groups too.
+    dp, t = dp_replicate * dp_shard * (job.ft.groups if job.ft.enabled else 1), job.train
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:
         raise ConfigError(
             f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "

@@ -24,6 +24,7 @@ from parallel.ac import ActivationCheckpointConfig
 from parallel.compile import CompileConfig
 from parallel.dims import ParallelConfig
 from parallel.float8 import Float8Config
+from parallel.ft import FaultToleranceConfig
 from parallel.lora import LoRAConfig
 from parallel.muon import MuonConfig
 
@@ -158,6 +159,7 @@ class JobConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     dry_run: bool = False
     """Print the resolved config, mesh, parameter count, memory and communication plan, then
     exit."""

@@ -27,6 +27,16 @@
 #                  python beside it) checks the config
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get to save after a stop signal (default
 #                  30; torch >= 2.12 reads it, 2.11 always gives 30)
+# Fault-tolerant replica groups (FT=1; docs/launch.md, "Replica groups that survive a lost
+# node"): each of the NNODES nodes is a replica group of its own, a torchrun job with its own
+# world, and the groups meet through torchft's quorum (pip install -e ".[ft]"): a lost node stops
+# no other, and comes back (MAX_RESTARTS, or the same command again) loading the live state from
+# a peer. NODE_RANK (0..NNODES-1) is this node's group.
+#   TORCHFT_LIGHTHOUSE  the lighthouse's address; unset, node 0 starts torchft_lighthouse at
+#                  http://$MASTER_ADDR:$LIGHTHOUSE_PORT (default 29510), living as long as node
+#                  0's launcher (for a run that must survive node 0, start it on a host of its own)
+#   FT_MIN_GROUPS  fewest groups a step commits with (default 1); LIGHTHOUSE_ARGS: more options
+#                  for torchft_lighthouse (e.g. --heartbeat_timeout_ms 2000)
 # A config error (or missing data, a wrong *_SOCKET_IFNAME...) ends every node at once with one
 # line and exit status 2, before torchrun starts: it is not retried.
 # Stop: SIGTERM, SIGINT, SIGUSR1, SIGHUP or SIGQUIT to this script on every node (it becomes
@@ -74,6 +84,17 @@ check_number MASTER_PORT 1 65535
 check_number MAX_RESTARTS 0
 check_number TORCH_ELASTIC_SHUTDOWN_TIMEOUT 0
 if [[ $RDZV_BACKEND == static ]]; then check_number NODE_RANK 0 $(( MAX_NNODES - 1 )); fi
+check_number FT 0 1
+if [[ ${FT:-0} == 1 ]]; then
+    if (( MIN_NNODES < MAX_NNODES )) || [[ -z ${NODE_RANK:-} ]]; then
+        echo "$me: FT=1 needs a fixed NNODES (the replica groups) and NODE_RANK (this node's" \
+            "group, 0..NNODES-1)" >&2
+        exit 2
+    fi
+    check_number NODE_RANK 0 $(( NNODES - 1 ))
+    check_number FT_MIN_GROUPS 1 "$NNODES"
+    check_number LIGHTHOUSE_PORT 1 65535
+fi
 if (( MIN_NNODES < MAX_NNODES && ${MAX_RESTARTS:-0} == 0 )); then
     echo "$me: warning: NNODES=$NNODES with MAX_RESTARTS=0: a lost node ends the run instead" \
         "of going on with the nodes left (set MAX_RESTARTS)" >&2
@@ -115,6 +136,34 @@ case "$RDZV_BACKEND" in
                   --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT") ;;
     *) echo "RDZV_BACKEND must be c10d or static, got '$RDZV_BACKEND'" >&2; exit 2 ;;
 esac
+
+if [[ ${FT:-0} == 1 ]]; then
+    ft=(--ft.enabled=true --ft.groups="$NNODES" --ft.group="$NODE_RANK"
+        --ft.min_groups="${FT_MIN_GROUPS:-1}")
+    if [[ -z ${TORCHFT_LIGHTHOUSE:-} && $NODE_RANK == 0 ]]; then
+        lighthouse=$(dirname "$torchrun_path")/torchft_lighthouse
+        [[ -x $lighthouse ]] || lighthouse=$(command -v torchft_lighthouse || true)
+        if [[ -z $lighthouse ]]; then
+            echo "$me: FT=1: torchft_lighthouse not found: pip install -e \".[ft]\"" >&2
+            exit 2
+        fi
+        # It lives as long as this launcher (exec keeps the PID): a watcher ends it after.
+        # shellcheck disable=SC2086
+        "$lighthouse" --min_replicas "${FT_MIN_GROUPS:-1}" \
+            --bind "[::]:${LIGHTHOUSE_PORT:-29510}" ${LIGHTHOUSE_ARGS:-} &
+        lighthouse_pid=$! launcher=$$
+        (while kill -0 "$launcher" 2>/dev/null; do sleep 1; done; kill "$lighthouse_pid") \
+            >/dev/null 2>&1 &
+    fi
+    export TORCHFT_LIGHTHOUSE=${TORCHFT_LIGHTHOUSE:-http://$MASTER_ADDR:${LIGHTHOUSE_PORT:-29510}}
+    # One group per node, a world of its own: no rendezvous between the nodes.
+    PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -P -m launch.check \
+        --world-size="$NPROC" "$@" "${ft[@]}" || exit
+    # torchrun's agent as torchrun.sh runs it (launch/agent.py): a stop is one line and
+    # 128 + the signal, a rank's own error its line and status.
+    exec "$PYTHON" -P "$repo/launch/agent.py" --standalone --nproc-per-node="$NPROC" \
+        --max-restarts="${MAX_RESTARTS:-0}" "$repo/train.py" "$@" "${ft[@]}"
+fi
 
 # Deterministic failures end here, on every node, before any rank starts: for the largest world
 # (a smaller one after a lost node is checked again by the restarted ranks, launch/elastic.py;
