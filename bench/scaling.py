@@ -179,6 +179,17 @@ def run_case(nodes: int, mode: str, opts: argparse.Namespace, cgroups: CpuGroups
     mesh = [f"--parallel.dp_replicate={nodes}", f"--parallel.dp_shard={opts.nproc}"]
     if mode == "fsdp":
         mesh = ["--parallel.dp_replicate=1", f"--parallel.dp_shard={ranks}"]
+    lighthouse = None
+    if mode == "ft":  # each node a replica group, a world of its own (parallel/ft.py)
+        mesh = ["--parallel.dp_replicate=1", f"--parallel.dp_shard={opts.nproc}",
+                "--ft.enabled=true", f"--ft.groups={nodes}", "--ft.compare_interval=0",
+                f"--ft.lighthouse=http://{node_ip(0)}:{port + 1000}"]  # fmt: skip
+        # On node 0; every step waits for all groups (min_replicas): the steady state.
+        lighthouse = subprocess.Popen(
+            [*nsexec(0), str(Path(sys.executable).parent / "torchft_lighthouse"),
+             "--min_replicas", str(nodes), "--bind", f"[::]:{port + 1000}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
     label = f"{mode}-{nodes}n"
     run_dir = opts.out.parent / "runs"
     # Weak scaling: every rank keeps grad_accum micro-batches of one sequence per step.
@@ -200,10 +211,14 @@ def run_case(nodes: int, mode: str, opts: argparse.Namespace, cgroups: CpuGroups
             # One thread per rank; gloo on the node's eth0 (same-node peers: loopback).
             "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
         }  # fmt: skip
+        if mode == "ft":  # the group's own world and store, on its node
+            env |= {"RANK": str(local), "WORLD_SIZE": str(opts.nproc), "GROUP_RANK": "0",
+                    "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": node_ip(node)}  # fmt: skip
+        ft = [f"--ft.group={node}"] if mode == "ft" else []
         log = open(run_dir / f"{label}.rank{rank}.log", "w")  # noqa: SIM115 (closed below)
         procs.append(
             subprocess.Popen(
-                [*nsexec(node), sys.executable, "train.py", *args],
+                [*nsexec(node), sys.executable, "train.py", *args, *ft],
                 cwd=REPO,
                 env=env,
                 stdout=log,
@@ -218,7 +233,7 @@ def run_case(nodes: int, mode: str, opts: argparse.Namespace, cgroups: CpuGroups
     except subprocess.TimeoutExpired:
         codes = ["timeout"]
     finally:
-        for p in procs:
+        for p in procs + ([lighthouse] if lighthouse else []):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
         for log in logs:
@@ -290,11 +305,9 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
-        mesh = (
-            f"FSDP 1x{r['ranks']}"
-            if r["mode"] == "fsdp"
-            else f"HSDP {r['nodes']}x{r['ranks'] // r['nodes']}"
-        )
+        per_node = r["ranks"] // r["nodes"]
+        mesh = {"fsdp": f"FSDP 1x{r['ranks']}", "hsdp": f"HSDP {r['nodes']}x{per_node}",
+                "ft": f"{r['nodes']} ft groups x FSDP 1x{per_node}"}[r["mode"]]  # fmt: skip
         lines.append(
             f"| {r['nodes']} | {mesh} | {r['ranks']} | {r['tok_s']:,.0f} | {r['efficiency']:.0%} | "
             f"{r['predicted_tok_s_no_overlap']:,.0f} - {r['predicted_tok_s_full_overlap']:,.0f} | "
@@ -314,9 +327,13 @@ def plot(report: dict, path: Path) -> None:
     nodes = sorted({r["nodes"] for r in results})
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
     ax.plot(nodes, [n * base for n in nodes], color="gray", ls=":", label="perfect scaling")
-    for mode, color, name in (("fsdp", "tab:red", "FSDP"), ("hsdp", "tab:blue", "HSDP")):
+    lines = (("fsdp", "tab:red", "FSDP"), ("hsdp", "tab:blue", "HSDP"),
+             ("ft", "tab:green", "ft groups"))  # fmt: skip
+    for mode, color, name in lines:
         rows = sorted((r for r in results if r["mode"] == mode or r["nodes"] == 1),
                       key=lambda r: r["nodes"])  # fmt: skip
+        if len(rows) < 2:
+            continue
         xs = [r["nodes"] for r in rows]
         ax.plot(xs, [r["tok_s"] for r in rows], "o-", color=color, label=f"{name} measured")
         # With transfers shorter than compute, full overlap is perfect scaling: only the
@@ -346,6 +363,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--node-cores", type=float, default=0.45, help="CPU quota of each node, "
                    "split evenly between its ranks")  # fmt: skip
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank and step")
+    p.add_argument("--modes", default="fsdp,hsdp", help="meshes of the multi-node cases: fsdp, "
+                   "hsdp, ft (a replica group per node on torchft, parallel/ft.py)")  # fmt: skip
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--warmup", type=int, default=4, help="steps left out of tok/s")
     p.add_argument("--timeout", type=float, default=900, help="seconds per case")
@@ -394,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         port = 29610
         for nodes in opts.nodes:
-            for mode in ("fsdp", "hsdp") if nodes > 1 else ("fsdp",):
+            for mode in opts.modes.split(",") if nodes > 1 else ("fsdp",):
                 port += 1  # a fresh port per case: no TIME_WAIT from the last one
                 report["results"].append(run_case(nodes, mode, opts, cgroups, port))
     finally:

@@ -475,10 +475,13 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         )
         return mem if last else mem | {"logits": 0.0}  # under pp, the last stage's
 
+    # Under ft.enabled the replica groups' all-reduce crosses the groups as HSDP's would.
+    groups = job.ft.groups if job.ft.enabled else 1
+
     def communication(shape: ModelShape) -> dict[str, dict[str, float]]:
         return plan_communication(
             shape,
-            plan.dp_replicate,
+            plan.dp_replicate * groups,
             plan.dp_shard,
             job.parallel.param_dtype,
             job.parallel.reduce_dtype,
@@ -513,7 +516,14 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
     print_plan_notes(job, plan, shape, buckets, pipeline)
+    if job.ft.enabled:  # what a heal moves: each rank's shard of the weights and optimizer
+        heal = mem["params"] + mem["optimizer"]
+        print(f"# ft: {groups} replica groups of {env.world_size} ranks on torchft (the "
+              "dp_replicate all-reduce row crosses them); a heal sends each rank of the "
+              f"healing group {heal / 2**20:,.1f} MiB from its peer, "
+              f"{heal * env.world_size / 2**30:,.2f} GiB in all")  # fmt: skip
     mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
+    mesh = f"FT{groups} x " + mesh if job.ft.enabled else mesh
     mesh += f" (dp_shard x CP{plan.cp})" if plan.cp > 1 else ""
     mesh += f" TP{plan.tp}" if plan.tp > 1 else ""
     mesh += f" EP{plan.ep}" if plan.ep > 1 else ""

@@ -149,7 +149,8 @@ if [[ ${FT:-0} == 1 ]]; then
         fi
         # It lives as long as this launcher (exec keeps the PID): a watcher ends it after.
         # shellcheck disable=SC2086
-        "$lighthouse" --min_replicas "${FT_MIN_GROUPS:-1}" \
+        # Warnings only: its info lines are a few per step (RUST_LOG=info shows them).
+        RUST_LOG=${RUST_LOG:-warn} "$lighthouse" --min_replicas "${FT_MIN_GROUPS:-1}" \
             --bind "[::]:${LIGHTHOUSE_PORT:-29510}" ${LIGHTHOUSE_ARGS:-} &
         lighthouse_pid=$! launcher=$$
         (while kill -0 "$launcher" 2>/dev/null; do sleep 1; done; kill "$lighthouse_pid") \

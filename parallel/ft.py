@@ -74,6 +74,9 @@ class FaultToleranceConfig:
     """Seconds a group waits for a quorum (the first one: for the other groups to start)."""
     connect_timeout_s: float = 10.0
     """Seconds to reach the lighthouse, checked before any process group exists."""
+    start_wait_s: float = 60.0
+    """At the run's start (every group at step 0), seconds to wait for all the groups before
+    training with fewer (a late group then heals from the others)."""
     compare_interval: int = 100
     """Every N steps (and at the end) the groups compare a digest of their weights and
     optimizer state, bit for bit, and stop with one line if they differ. 0 = never."""
@@ -92,6 +95,8 @@ class FaultToleranceConfig:
             )
         if self.compare_interval < 0:
             raise ConfigError(f"ft.compare_interval must be >= 0, got {self.compare_interval}")
+        if self.start_wait_s < 0:
+            raise ConfigError(f"ft.start_wait_s must be >= 0, got {self.start_wait_s}")
         for name in ("timeout_s", "quorum_timeout_s", "connect_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"ft.{name} must be > 0, got {getattr(self, name)}")
@@ -222,6 +227,8 @@ class Replicas:
 
 # The checkpoint's entries a healed group loads from a peer (not the config and mesh: its own).
 HEALED = ("model", "optimizer", "lr_scheduler", "dataloader", "train")
+# Seconds between the quorums asked at the start, while groups are missing (`_quorum`).
+START_POLL_S = 0.5
 # What the groups compare (`compare_interval`): what a step changes, bit for bit.
 COMPARED = ("model", "optimizer")
 
@@ -252,8 +259,17 @@ class ReplicaGroups(Replicas):
             if device.type == "cuda"
             else ProcessGroupGloo(timeout=timeout)
         )
+        # What the other groups dial: this group's store (their process group meets there when
+        # this group is the quorum's first) and its manager. torchrun --standalone says
+        # localhost, which only this node reaches: the host's name instead.
+        store = os.environ["MASTER_ADDR"]
+        if store in ("localhost", "::1") or store.startswith("127."):
+            store = socket.gethostname()
         self.manager = Manager(
             pg=pg,
+            store_addr=store,
+            store_port=int(os.environ["MASTER_PORT"]),
+            hostname=store,
             load_state_dict=self._load,
             state_dict=self._state,
             min_replica_size=cfg.min_groups,
@@ -302,7 +318,7 @@ class ReplicaGroups(Replicas):
 
     def start_step(self) -> bool:
         self.healed = False
-        self.manager.start_quorum()
+        self._quorum()
         self._checked = False
         if self._resume is not None:  # the first quorum: healed, or resume as any run does
             if not self.healed:
@@ -321,6 +337,17 @@ class ReplicaGroups(Replicas):
         if every and done and done % every == 0:  # after the heal, if there was one
             self.compare(done)
         return self.healed
+
+    def _quorum(self) -> None:
+        """This step's quorum. At the run's start it is asked again until every group is in it
+        (up to ft.start_wait_s): groups launched together start together. By a count of tries,
+        not a clock, so that every rank of a group asks as often as the others."""
+        tries = int(self.cfg.start_wait_s / START_POLL_S) if self._resume is not None else 0
+        self.manager.start_quorum()
+        while tries and self.manager.current_step() == 0 and self.present < self.groups:
+            time.sleep(START_POLL_S)
+            self.manager.start_quorum()
+            tries -= 1
 
     def compare(self, step: int) -> None:
         """ReplicasDiverged unless every group of the quorum holds the same weights and

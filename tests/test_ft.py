@@ -91,6 +91,29 @@ def test_replica_groups_train_hsdp_losses_and_their_checkpoints_move_both_ways(
 
 
 @pytest.mark.slow
+@pytest.mark.drill  # the llama case above runs by default
+def test_replica_groups_train_hsdp_losses_with_experts(tiny_dataset: str, tmp_path: Path) -> None:
+    """A mixture of experts (qwen3_moe, ep 1): the router's bias moves by the expert load
+    summed over the groups, as over HSDP's replicas; 4 steps equal HSDP 2x2's."""
+    from tests.test_families import run_argv
+
+    def argv(name: str) -> list[str]:
+        return run_argv(tiny_dataset, tmp_path, "qwen3_moe", name, "--train.steps=4",
+                        "--train.micro_batch_size=1")  # fmt: skip
+
+    hsdp = run_distributed(train_losses, 4, [*argv("hsdp"), "--parallel.dp_replicate=2"],
+                           nodes=2)[0]  # fmt: skip
+    server = lighthouse(2)
+    try:
+        ft = run_groups(argv("ft"), 2, 2, server.address())
+    finally:
+        server.shutdown()
+    for g in (0, 1):
+        assert not isinstance(ft[g], Exception), ft[g]
+        assert_close(ft[g][0], hsdp, rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_groups_with_different_settings_are_refused_at_the_first_quorum(
     tiny_dataset: str, tmp_path: Path
 ) -> None:
@@ -228,3 +251,25 @@ def test_a_digest_tells_equal_states_from_one_bit_apart() -> None:
     flipped = state["w"].clone()
     flipped.view(torch.int32)[3, 4] ^= 1 << 30  # one bit of one exponent
     assert _digest({"w": flipped, "m": state["m"]}) != _digest(state)
+
+
+def test_the_dry_run_says_what_a_heal_moves() -> None:
+    """Each rank of a healing group receives its shard of the fp32 weights and of the
+    optimizer state: the planner's two memory rows, summed."""
+    env = ENV | {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
+    done = subprocess.run([sys.executable, "train.py", "configs/debug.toml", "--dry-run",
+                           "--ft.enabled=true", "--ft.groups=3", "--train.global_batch_size=24"],
+                          cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = {
+        m[0]: float(m[1]) * {"KiB": 2**-10, "MiB": 1, "GiB": 2**10}[m[2]]
+        for m in re.findall(r"memory: (\w+) +([\d.]+) (KiB|MiB|GiB)", done.stdout)
+    }
+    heal = re.search(r"# ft: 3 replica groups of 4 ranks on torchft .* healing group "
+                     r"([\d,.]+) MiB from its peer", done.stdout)  # fmt: skip
+    assert heal, done.stdout
+    assert float(heal.group(1).replace(",", "")) == pytest.approx(
+        rows["params"] + rows["optimizer"], rel=0.01
+    )
+    assert "FT3 x FSDP 1x4" in done.stdout

@@ -863,6 +863,24 @@ def test_sbatch_hsdp_two_nodes_trains_checkpoints_and_resumes(
 
 
 @pytest.mark.slow
+def test_sbatch_ft_runs_a_replica_group_per_node(
+    slurm: Path, tiny_dataset: str, tmp_path: Path
+) -> None:
+    """FT=1 (docs/launch.md, "Replica groups that survive a lost node"): each node a replica
+    group on torchft, the lighthouse on the first node; both groups train every step and end
+    bitwise equal."""
+    train = tiny_args(tiny_dataset, tmp_path, "--train.steps=6", "--ft.compare_interval=3")
+    log = sbatch(slurm, tmp_path / "ft.out", ["configs/debug.toml", *train], FT="1")
+    assert log.count("2 of 2 replica groups in the quorum") == 2, log[-4000:]
+    for step in (3, 6):
+        assert log.count(f"step {step}: the 2 replica groups hold bitwise-equal") == 2, log
+    assert "1 of 2 replica groups" not in log and step_logged(6, log), log[-4000:]
+    groups = {p.name for p in (tmp_path / "debug").glob("group*")}
+    assert groups == {"group0", "group1"}
+    assert (tmp_path / "debug" / "checkpoints" / "step-6" / "COMPLETE").exists()
+
+
+@pytest.mark.slow
 def test_sbatch_deterministic_failures_end_the_job_at_once(
     slurm: Path, tiny_dataset: str, tmp_path: Path
 ) -> None:
