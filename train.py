@@ -89,7 +89,8 @@ from parallel.cp import split_after
 from parallel.dims import LaunchEnv
 from parallel.ep import build_expert_mesh
 from parallel.fsdp import assign_local_shard, reshard_plan
-from parallel.ft import Replicas, ReplicasDiverged, build_replicas, group_folder
+from parallel.ft import Replicas, ReplicasDiverged, build_replicas
+from parallel.ft_config import group_folder
 from parallel.lora import adapter_names, init_lora
 from parallel.loss import ChunkedLoss
 from parallel.muon import Muon, muon_groups
@@ -704,7 +705,9 @@ def loop(
             batches.again()
             continue
         end.losses.append(result.loss)
-        progress.step = step
+        # +1, not = step: under DiLoCo a group that healed in the step's update took a peer's.
+        progress.step += 1
+        step = progress.step
         progress.samples_seen += t.global_batch_size
         progress.tokens_seen += tokens_per_step
         source_scalars = sources_seen.update(progress.samples_seen, step) if is_rank0 else {}

@@ -56,7 +56,7 @@ from parallel.compile import CompileConfig
 from parallel.cp import check_cp
 from parallel.dims import LaunchEnv
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
-from parallel.ft import check_ft, group_folder
+from parallel.ft_config import check_ft, group_folder
 from parallel.graph_fsdp import check_graph_fsdp
 from parallel.loss import check_chunked_loss
 from parallel.muon import MuonConfig, check_muon

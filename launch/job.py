@@ -24,7 +24,7 @@ from parallel.ac import ActivationCheckpointConfig
 from parallel.compile import CompileConfig
 from parallel.dims import ParallelConfig
 from parallel.float8 import Float8Config
-from parallel.ft import FaultToleranceConfig
+from parallel.ft_config import FaultToleranceConfig
 from parallel.lora import LoRAConfig
 from parallel.muon import MuonConfig
 

@@ -31,151 +31,25 @@ import logging
 import os
 import socket
 import time
-import warnings
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from configs import ConfigError
+from parallel.ft_config import (
+    FaultToleranceConfig,
+    fingerprint,
+    lighthouse_address,
+    quiet_torchft,
+)
 
 logger = logging.getLogger("train")
 T = TypeVar("T")
-
-# torchft's own variable for the lighthouse's address (its Manager reads it too).
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-
-
-@dataclass
-class FaultToleranceConfig:
-    enabled: bool = False
-    """Fault-tolerant replica groups on torchft (docs/launch.md): each group a torchrun job of
-    its own, the groups a quorum; a failed group stops no other one and heals from a live
-    peer. Needs `pip install -e ".[ft]"` and a running `torchft_lighthouse`."""
-    group: int = 0
-    """This process's replica group, 0 .. groups-1 (the launchers pass it)."""
-    groups: int = 2
-    """Replica groups the run is planned for: the global batch is split over them as HSDP
-    splits it over dp_replicate."""
-    min_groups: int = 1
-    """Fewest groups a step commits with; with fewer the step waits and is retried."""
-    lighthouse: str = ""
-    """The lighthouse's address (http://host:port); '' = the TORCHFT_LIGHTHOUSE variable."""
-    timeout_s: float = 60.0
-    """Seconds a cross-group collective, commit or heal may take before the step fails over."""
-    quorum_timeout_s: float = 600.0
-    """Seconds a group waits for a quorum (the first one: for the other groups to start)."""
-    connect_timeout_s: float = 10.0
-    """Seconds to reach the lighthouse, checked before any process group exists."""
-    start_wait_s: float = 60.0
-    """At the run's start (every group at step 0), seconds to wait for all the groups before
-    training with fewer (a late group then heals from the others)."""
-    compare_interval: int = 100
-    """Every N steps (and at the end) the groups compare a digest of their weights and
-    optimizer state, bit for bit, and stop with one line if they differ. 0 = never."""
-
-    def __post_init__(self) -> None:
-        if self.groups < 1:
-            raise ConfigError(f"ft.groups must be >= 1, got {self.groups}")
-        if not 0 <= self.group < self.groups:
-            raise ConfigError(
-                f"ft.group={self.group} is out of range for ft.groups={self.groups} "
-                f"(0..{self.groups - 1})"
-            )
-        if not 1 <= self.min_groups <= self.groups:
-            raise ConfigError(
-                f"ft.min_groups={self.min_groups} must be between 1 and ft.groups={self.groups}"
-            )
-        if self.compare_interval < 0:
-            raise ConfigError(f"ft.compare_interval must be >= 0, got {self.compare_interval}")
-        if self.start_wait_s < 0:
-            raise ConfigError(f"ft.start_wait_s must be >= 0, got {self.start_wait_s}")
-        for name in ("timeout_s", "quorum_timeout_s", "connect_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"ft.{name} must be > 0, got {getattr(self, name)}")
-
-
-def lighthouse_address(cfg: FaultToleranceConfig, environ: dict[str, str]) -> str:
-    return cfg.lighthouse or environ.get(LIGHTHOUSE_ENV, "")
-
-
-def check_ft(cfg: FaultToleranceConfig, environ: dict[str, str], under_torchrun: bool) -> None:
-    """ConfigError, before any process group exists, for a fault-tolerant run that cannot
-    start: torchft missing, no lighthouse or one that does not answer; with `under_torchrun`
-    False (a plain `python train.py`), no torchrun."""
-    if not cfg.enabled:
-        return
-    try:
-        _quiet_torchft()
-        import torchft  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            'ft.enabled needs torchft, an optional extra: pip install -e ".[ft]"'
-        ) from None
-    if not under_torchrun:
-        raise ConfigError(
-            "ft.enabled: start each replica group with torchrun (launch/torchrun.sh, "
-            "launch/multinode.sh, launch/hsdp.sbatch): torchft's manager needs its store"
-        )
-    address = lighthouse_address(cfg, environ)
-    if not address:
-        raise ConfigError(
-            f"ft.enabled needs the lighthouse's address: set ft.lighthouse or {LIGHTHOUSE_ENV} "
-            "(start it with torchft_lighthouse; docs/launch.md)"
-        )
-    parts = urlsplit(address if "//" in address else f"http://{address}")
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        host, port = None, None
-    if not host or not port:
-        raise ConfigError(f"ft.lighthouse {address!r} is not http://host:port")
-    # Retried until the timeout: the node that starts the lighthouse may come up last.
-    deadline = time.monotonic() + cfg.connect_timeout_s
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=cfg.connect_timeout_s).close()
-            return
-        except OSError as err:
-            if time.monotonic() >= deadline:
-                raise ConfigError(
-                    f"ft.lighthouse {address} cannot be reached within "
-                    f"{cfg.connect_timeout_s:g} s ({err.strerror or err}): start "
-                    "torchft_lighthouse there first (docs/launch.md)"
-                ) from None
-            time.sleep(0.2)
-
-
-def _quiet_torchft() -> None:
-    """torchft logs every quorum and commit of every rank (Python's logging and its Rust
-    core's): errors only (Rust: warnings, unless the user set RUST_LOG). This module says what
-    changes."""
-    os.environ.setdefault("RUST_LOG", "warn")  # read once, when torchft's core loads
-    # Its warnings too: that NCCL's flight recorder cannot be reset (on gloo, at every new
-    # quorum). Errors still show.
-    for name in ("torchft", "torchft_quorums", "torchft_commits"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    # A healing group reads the peer's tensors from a read-only buffer, which torch warns of.
-    warnings.filterwarnings("ignore", message="The given buffer is not writable")
-
-
-def group_folder(run_dir: Path, cfg: FaultToleranceConfig) -> Path:
-    """Where this group's logs, TensorBoard, heartbeats and lock go: each group is a run of
-    its own beside the others (checkpoints stay in the run's folder, shared)."""
-    return run_dir / f"group{cfg.group}" if cfg.enabled else run_dir
-
-
-def fingerprint(settings: dict[str, Any]) -> dict[str, int]:
-    """Each setting the groups must agree on as a 20-bit number: its square and the sum of
-    the squares stay exact in float64 when summed over the groups (`Replicas.sum`)."""
-    return {name: zlib.crc32(repr(value).encode()) & 0xFFFFF for name, value in settings.items()}
 
 
 class Replicas:
@@ -245,7 +119,7 @@ class ReplicaGroups(Replicas):
         self, cfg: FaultToleranceConfig, rank: int, world: int, device: torch.device,
         settings: dict[str, int],
     ) -> None:  # fmt: skip
-        _quiet_torchft()
+        quiet_torchft()
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
@@ -349,12 +223,12 @@ class ReplicaGroups(Replicas):
             self.manager.start_quorum()
             tries -= 1
 
-    def compare(self, step: int) -> None:
+    def compare(self, step: int, keys: tuple[str, ...] = COMPARED) -> None:
         """ReplicasDiverged unless every group of the quorum holds the same weights and
-        optimizer state as this one, bit for bit (each rank its shards)."""
+        optimizer state (`keys`) as this one, bit for bit (each rank its shards)."""
         from torch.distributed import ReduceOp, all_reduce
 
-        digests = torch.tensor([_digest(self.states[key].state_dict()) for key in COMPARED],
+        digests = torch.tensor([_digest(self.states[key].state_dict()) for key in keys],
                                dtype=torch.float64)  # fmt: skip
         both = torch.cat([digests, digests**2]).to(self.device)
         self.manager.allreduce(both, reduce_op=ReduceOp.SUM).wait()
@@ -366,13 +240,14 @@ class ReplicaGroups(Replicas):
         all_reduce(flag, op=ReduceOp.MAX)
         if flag.item():
             raise ReplicasDiverged(
-                f"step {step}: the replica groups' weights or optimizer state differ (a digest "
+                f"step {step}: the replica groups' {' or '.join(keys)} states differ (a digest "
                 "of each rank's shards, compared across the groups): a silent corruption or a "
                 "nondeterministic kernel; resume every group from the last checkpoint"
             )
         if self.rank == 0 and self.manager.errored() is None:
-            logger.info("step %d: the %d replica groups hold bitwise-equal weights and "
-                        "optimizer state", step, present)  # fmt: skip
+            what = "weights and optimizer state" if keys == COMPARED else "weights"
+            logger.info("step %d: the %d replica groups hold bitwise-equal %s", step, present,
+                        what)  # fmt: skip
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         from torch.distributed import ReduceOp
@@ -495,4 +370,8 @@ def build_replicas(
 ) -> Replicas:  # fmt: skip
     if not cfg.enabled:
         return Replicas()
+    if cfg.sync_steps:
+        from parallel.diloco import SemiSyncGroups
+
+        return SemiSyncGroups(cfg, rank, world, device, fingerprint(settings))
     return ReplicaGroups(cfg, rank, world, device, fingerprint(settings))

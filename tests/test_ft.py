@@ -113,6 +113,70 @@ def test_replica_groups_train_hsdp_losses_with_experts(tiny_dataset: str, tmp_pa
         assert_close(ft[g][0], hsdp, rtol=1e-5)
 
 
+def diloco_run(argv: list[str]) -> tuple[list[float], list[int], list[tuple]]:
+    """train_losses on this rank, with the cross-group all-reduces of each step counted and
+    the groups' comparisons recorded (a difference raises)."""
+    from torchft.manager import Manager
+
+    import train
+    from parallel import ft
+
+    calls: list[int] = []
+    per_step: list[int] = []
+    compared: list[tuple] = []
+    allreduce, step, compare = Manager.allreduce, train.train_step, ft.ReplicaGroups.compare
+
+    def counted(self: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls.append(tensor.numel())
+        return allreduce(self, tensor, *args, **kwargs)
+
+    def stepped(*args: Any, **kwargs: Any) -> Any:
+        before = len(calls)
+        result = step(*args, **kwargs)
+        per_step.append(len(calls) - before)
+        return result
+
+    def recorded(self: Any, at: int, keys: tuple = ft.COMPARED) -> None:
+        compared.append((at, keys))
+        compare(self, at, keys)
+
+    Manager.allreduce, train.train_step, ft.ReplicaGroups.compare = counted, stepped, recorded
+    return train_losses(argv), per_step, compared
+
+
+@pytest.mark.slow
+def test_diloco_groups_meet_every_sync_steps_and_leave_it_bitwise_equal(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """ft.sync_steps=4: between syncs a step sends nothing across the groups (each group's
+    own data, loss and gradients), every 4th step all-reduces the pseudo-gradient of every
+    weight, and the run ends (on a sync) with the groups' weights equal bit for bit."""
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY, *FP32,
+            "--train.steps=8", "--ft.sync_steps=4", "--train.micro_batch_size=4",
+            "--ft.enabled=true", "--ft.groups=2"]  # fmt: skip
+    n_weights = 2 * 9 + 3  # 2 blocks of 7 matrices and 2 norms, the embedding, norm, output
+    server = lighthouse(2)
+    results: dict[int, Any] = {}
+
+    def group(g: int) -> None:
+        ft = [f"--ft.group={g}", f"--ft.lighthouse={server.address()}"]
+        results[g] = run_distributed(diloco_run, 1, argv + ft, timeout=240)[0]
+
+    try:
+        threads = [threading.Thread(target=group, args=(g,)) for g in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        server.shutdown()
+    assert set(results) == {0, 1}, "a group failed: its traceback is above"
+    for _, per_step, compared in results.values():
+        assert per_step == [0, 0, 0, n_weights, 0, 0, 0, n_weights], per_step
+        assert compared == [(8, ("model",))]
+    assert results[0][0] != results[1][0], "each group trains its own part of the data"
+
+
 @pytest.mark.slow
 def test_groups_with_different_settings_are_refused_at_the_first_quorum(
     tiny_dataset: str, tmp_path: Path
@@ -132,7 +196,7 @@ def test_groups_with_different_settings_are_refused_at_the_first_quorum(
 def test_bad_replica_group_settings_are_one_line_each(monkeypatch, tmp_path: Path) -> None:
     from launch.check import check_replica_groups
     from launch.job import JobConfig
-    from parallel.ft import check_ft
+    from parallel.ft_config import check_ft
 
     with pytest.raises(ConfigError, match=r"ft.group=2 is out of range for ft.groups=2 \(0..1\)"):
         parse_config(JobConfig, ["--ft.enabled=true", "--ft.group=2"])
