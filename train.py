@@ -720,13 +720,8 @@ def loop(
             run.heartbeat.timeout_s = set_timeout(job.parallel.steady_timeout_s)
         if log:
             beat(step, "log")
-            scalars = {"loss/train": result.loss, "lr": result.lr, "grad_norm": result.grad_norm}
-            if job.health.stragglers and run.env.world_size > 1:  # 3 numbers from each rank
-                scalars |= stragglers.gather()
             eta = (time.perf_counter() - end.started) / len(end.losses) * (t.steps - step)
-            scalars |= result.scalars | source_scalars | meter.summary() | memory_stats(run.device)
-            scalars |= run.replicas.scalars()
-            metrics.log(step, scalars, eta_s=eta)
+            log_step(run, metrics, step, result, stragglers, source_scalars | meter.summary(), eta)
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
             beat(step, "eval")
             (end.val_loss, end.scores), end.val_step = validate(run, metrics, step), step
@@ -743,6 +738,24 @@ def loop(
             break
     metrics.close()
     return end
+
+
+def log_step(
+    run: Run,
+    metrics: MetricsLogger,
+    step: int,
+    result: StepResult,
+    stragglers: StragglerMeter,
+    scalars: dict[str, float],
+    eta_s: float,
+) -> None:
+    """A log step's line and TensorBoard scalars: the step's, the stragglers' (3 numbers from
+    each rank), the family's, memory and the replica groups', beside `scalars`."""
+    logged = {"loss/train": result.loss, "lr": result.lr, "grad_norm": result.grad_norm}
+    if run.job.health.stragglers and run.env.world_size > 1:
+        logged |= stragglers.gather()
+    logged |= result.scalars | scalars | memory_stats(run.device) | run.replicas.scalars()
+    metrics.log(step, logged, eta_s=eta_s)
 
 
 def throughput_meter(run: Run) -> ThroughputMeter:

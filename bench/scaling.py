@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -180,10 +181,12 @@ def run_case(nodes: int, mode: str, opts: argparse.Namespace, cgroups: CpuGroups
     if mode == "fsdp":
         mesh = ["--parallel.dp_replicate=1", f"--parallel.dp_shard={ranks}"]
     lighthouse = None
-    if mode == "ft":  # each node a replica group, a world of its own (parallel/ft.py)
+    if mode in ("ft", "diloco"):  # each node a replica group, a world of its own (parallel/ft.py)
         mesh = ["--parallel.dp_replicate=1", f"--parallel.dp_shard={opts.nproc}",
                 "--ft.enabled=true", f"--ft.groups={nodes}", "--ft.compare_interval=0",
                 f"--ft.lighthouse=http://{node_ip(0)}:{port + 1000}"]  # fmt: skip
+        if mode == "diloco":  # parallel/diloco.py: the groups meet every sync_steps steps
+            mesh.append(f"--ft.sync_steps={opts.sync_steps}")
         # On node 0; every step waits for all groups (min_replicas): the steady state.
         lighthouse = subprocess.Popen(
             [*nsexec(0), str(Path(sys.executable).parent / "torchft_lighthouse"),
@@ -197,6 +200,8 @@ def run_case(nodes: int, mode: str, opts: argparse.Namespace, cgroups: CpuGroups
     args += [f"--train.steps={opts.steps}"]
     args += [f"--metrics.warmup_steps={opts.warmup}", "--metrics.log_interval=1"]
     args += [f"--run.output_dir={run_dir}", f"--run.name={label}"]
+    if opts.eval_batches:  # the validation loss after the last step, for equal tokens
+        args += [f"--train.eval_interval={opts.steps}", f"--train.eval_batches={opts.eval_batches}"]
     before = [tx_bytes(i) for i in range(nodes)]
     procs, logs = [], []
     start = time.perf_counter()
@@ -211,10 +216,10 @@ def run_case(nodes: int, mode: str, opts: argparse.Namespace, cgroups: CpuGroups
             # One thread per rank; gloo on the node's eth0 (same-node peers: loopback).
             "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
         }  # fmt: skip
-        if mode == "ft":  # the group's own world and store, on its node
+        if mode in ("ft", "diloco"):  # the group's own world and store, on its node
             env |= {"RANK": str(local), "WORLD_SIZE": str(opts.nproc), "GROUP_RANK": "0",
                     "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": node_ip(node)}  # fmt: skip
-        ft = [f"--ft.group={node}"] if mode == "ft" else []
+        ft = [f"--ft.group={node}"] if mode in ("ft", "diloco") else []
         log = open(run_dir / f"{label}.rank{rank}.log", "w")  # noqa: SIM115 (closed below)
         procs.append(
             subprocess.Popen(
@@ -256,12 +261,18 @@ def run_case(nodes: int, mode: str, opts: argparse.Namespace, cgroups: CpuGroups
         "link_bytes_per_step": max(sent) / opts.steps if nodes > 1 else 0.0,
         "wall_s": round(wall, 1),
     }
+    if mode == "diloco":
+        result["sync_steps"] = opts.sync_steps
+    if val := re.search(r"val_loss ([\d.]+)", text):
+        result["val_loss"] = float(val.group(1))
     print(f"  {label}: {result['tok_s']:,.0f} tok/s, {result['link_bytes_per_step'] / 1e6:.1f} "
           f"MB/step on the busiest link, {wall:.0f} s", file=sys.stderr)  # fmt: skip
     return result
 
 
-def predicted_link_bytes(nodes: int, mode: str, nproc: int, grad_accum: int) -> float:
+def predicted_link_bytes(
+    nodes: int, mode: str, nproc: int, grad_accum: int, sync_steps: int = 10
+) -> float:
     """Planner bytes per rank and mesh dim -> bytes one node's link carries per step."""
     from configs import parse_config
     from launch.job import JobConfig
@@ -280,7 +291,8 @@ def predicted_link_bytes(nodes: int, mode: str, nproc: int, grad_accum: int) -> 
         return 0.0
     if mode == "fsdp":  # a ring over all ranks: one rank's stream crosses each node boundary
         return comm["dp_shard"]["all_gather"] + GLOO_RS_FACTOR * comm["dp_shard"]["reduce_scatter"]
-    return nproc * comm["dp_replicate"]["all_reduce"]  # every rank of the node all-reduces
+    every = sync_steps if mode == "diloco" else 1  # DiLoCo: fp32 pseudo-gradients, 1 in N
+    return nproc * comm["dp_replicate"]["all_reduce"] / every  # every rank of the node
 
 
 def predict(results: list[dict], link_mb_s: float, nproc: int, grad_accum: int) -> None:
@@ -289,7 +301,8 @@ def predict(results: list[dict], link_mb_s: float, nproc: int, grad_accum: int) 
     tokens_per_rank = SEQ_LEN * grad_accum  # one sequence per micro-batch
     t1 = base["ranks"] * tokens_per_rank / base["tok_s"]
     for r in results:
-        link = predicted_link_bytes(r["nodes"], r["mode"], nproc, grad_accum)
+        link = predicted_link_bytes(r["nodes"], r["mode"], nproc, grad_accum,
+                                    r.get("sync_steps", 1))  # fmt: skip
         comm_s = link / (link_mb_s * 1e6)
         tokens = r["ranks"] * tokens_per_rank
         r["planner_link_bytes_per_step"] = link
@@ -304,14 +317,19 @@ def markdown(report: dict) -> str:
         "full overlap) | link MB/step: planner | link MB/step: measured |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    if any("val_loss" in r for r in report["results"]):
+        lines[0] += " val loss |"
+        lines[1] += "---|"
     for r in report["results"]:
         per_node = r["ranks"] // r["nodes"]
         mesh = {"fsdp": f"FSDP 1x{r['ranks']}", "hsdp": f"HSDP {r['nodes']}x{per_node}",
-                "ft": f"{r['nodes']} ft groups x FSDP 1x{per_node}"}[r["mode"]]  # fmt: skip
+                "ft": f"{r['nodes']} ft groups x FSDP 1x{per_node}",
+                "diloco": f"{r['nodes']} DiLoCo groups x FSDP 1x{per_node}"}[r["mode"]]  # fmt: skip
         lines.append(
             f"| {r['nodes']} | {mesh} | {r['ranks']} | {r['tok_s']:,.0f} | {r['efficiency']:.0%} | "
             f"{r['predicted_tok_s_no_overlap']:,.0f} - {r['predicted_tok_s_full_overlap']:,.0f} | "
             f"{r['planner_link_bytes_per_step'] / 1e6:.1f} | {r['link_bytes_per_step'] / 1e6:.1f} |"
+            + (f" {r['val_loss']:.4f} |" if "val_loss" in r else "")
         )
     return "\n".join(lines)
 
@@ -364,7 +382,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "split evenly between its ranks")  # fmt: skip
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank and step")
     p.add_argument("--modes", default="fsdp,hsdp", help="meshes of the multi-node cases: fsdp, "
-                   "hsdp, ft (a replica group per node on torchft, parallel/ft.py)")  # fmt: skip
+                   "hsdp, ft (a replica group per node on torchft, parallel/ft.py), diloco "
+                   "(the same groups meeting every --sync-steps, parallel/diloco.py)")  # fmt: skip
+    p.add_argument("--sync-steps", type=int, default=10, help="ft.sync_steps of mode diloco")
+    p.add_argument("--eval-batches", type=int, default=0, help="> 0: the validation loss "
+                   "after the last step (train.eval_batches), a column of its own")  # fmt: skip
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--warmup", type=int, default=4, help="steps left out of tok/s")
     p.add_argument("--timeout", type=float, default=900, help="seconds per case")

@@ -56,7 +56,7 @@ from parallel.compile import CompileConfig
 from parallel.cp import check_cp
 from parallel.dims import LaunchEnv
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
-from parallel.ft_config import check_ft, group_folder
+from parallel.ft_config import FaultToleranceConfig, check_ft, group_folder
 from parallel.graph_fsdp import check_graph_fsdp
 from parallel.loss import check_chunked_loss
 from parallel.muon import MuonConfig, check_muon
@@ -447,8 +447,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     print(config_to_toml(job))
     shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
     muon = job.optim.muon.ns_dtype if job.optim.name == "muon" else None
-    pipelined = plan.pp > 1
-    graph = job.compile.fsdp == "graph"  # refused with pp > 1 (check_graph_fsdp)
+    pipelined, graph = plan.pp > 1, job.compile.fsdp == "graph"  # graph: refused with pp > 1
     p = job.parallel
     buckets = graph_buckets(shape, plan.dp_shard * plan.cp, p.param_dtype, p.reduce_dtype,
                             job.compile.bucket_mb) if graph else None  # fmt: skip
@@ -475,11 +474,11 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         )
         return mem if last else mem | {"logits": 0.0}  # under pp, the last stage's
 
-    # Under ft.enabled the replica groups' all-reduce crosses the groups as HSDP's would.
-    groups = job.ft.groups if job.ft.enabled else 1
+    # ft.enabled: the groups' all-reduce crosses them as HSDP's would (DiLoCo: 1 step in N).
+    groups, every = (job.ft.groups, max(1, job.ft.sync_steps)) if job.ft.enabled else (1, 1)
 
     def communication(shape: ModelShape) -> dict[str, dict[str, float]]:
-        return plan_communication(
+        comm = plan_communication(
             shape,
             plan.dp_replicate * groups,
             plan.dp_shard,
@@ -498,6 +497,8 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
             pipelined=pipelined,
             graph_fsdp=graph,
         )
+        comm["dp_replicate"]["all_reduce"] /= every
+        return comm
 
     mem, comm, pipeline = memory(shape), communication(shape), None
     if pipelined:  # the pp rank with the most memory: its stages, activations in flight
@@ -516,19 +517,31 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
     print_plan_notes(job, plan, shape, buckets, pipeline)
-    if job.ft.enabled:  # what a heal moves: each rank's shard of the weights and optimizer
-        heal = mem["params"] + mem["optimizer"]
-        print(f"# ft: {groups} replica groups of {env.world_size} ranks on torchft (the "
-              "dp_replicate all-reduce row crosses them); a heal sends each rank of the "
-              f"healing group {heal / 2**20:,.1f} MiB from its peer, "
-              f"{heal * env.world_size / 2**30:,.2f} GiB in all")  # fmt: skip
+    if job.ft.enabled:
+        print(f"# {replica_groups_note(job.ft, env.world_size, mem)}")
+    print("\n".join(f"# {line}" for line in format_plan({mesh_label(job, plan): (mem, comm)})))
+
+
+def replica_groups_note(ft: FaultToleranceConfig, world: int, mem: dict[str, float]) -> str:
+    """The dry run's line on replica groups: what crosses them, and what a heal moves (each
+    rank's shard of the fp32 weights and optimizer state)."""
+    heal = mem["params"] + mem["optimizer"]
+    every = f" every {ft.sync_steps} steps (DiLoCo)" if ft.sync_steps else ""
+    return (
+        f"ft: {ft.groups} replica groups of {world} ranks on torchft (the dp_replicate all-reduce "
+        f"row crosses them{every}); a heal sends each rank of the healing group "
+        f"{heal / 2**20:,.1f} MiB from its peer, {heal * world / 2**30:,.2f} GiB in all"
+    )
+
+
+def mesh_label(job: JobConfig, plan: Plan) -> str:
+    """The plan table's column: 'PP2 FT4 x HSDP 2x4 TP2', ..."""
     mesh = f"{'HSDP' if plan.dp_replicate > 1 else 'FSDP'} {plan.dp_replicate}x{plan.dp_shard}"
-    mesh = f"FT{groups} x " + mesh if job.ft.enabled else mesh
+    mesh = f"FT{job.ft.groups} x " + mesh if job.ft.enabled else mesh
     mesh += f" (dp_shard x CP{plan.cp})" if plan.cp > 1 else ""
     mesh += f" TP{plan.tp}" if plan.tp > 1 else ""
     mesh += f" EP{plan.ep}" if plan.ep > 1 else ""
-    mesh = f"PP{plan.pp} " + mesh if pipelined else mesh
-    print("\n".join(f"# {line}" for line in format_plan({mesh: (mem, comm)})))
+    return f"PP{plan.pp} " + mesh if plan.pp > 1 else mesh
 
 
 def print_plan_notes(
