@@ -19,6 +19,7 @@ import torch
 
 from configs import ConfigError, parse_config
 from tests.distributed import run_distributed
+from tests.test_families import scalars
 from tests.test_launch import ENV, ROOT, Launched, alive, free_port
 from tests.test_train import FP32, TINY, assert_close, train_losses
 
@@ -72,7 +73,8 @@ def test_replica_groups_train_hsdp_losses_and_their_checkpoints_move_both_ways(
     try:
         step2 = tmp_path / "hsdp" / "debug" / "checkpoints" / "step-2"
         ft = run_groups([*base, f"--run.output_dir={tmp_path / 'ft'}", "--train.steps=6",
-                         f"--checkpoint.resume={step2}"], 2, 2, server.address())  # fmt: skip
+                         f"--checkpoint.resume={step2}", "--metrics.tensorboard=true",
+                         "--metrics.log_interval=2"], 2, 2, server.address())  # fmt: skip
     finally:
         server.shutdown()
     for g in (0, 1):
@@ -84,6 +86,9 @@ def test_replica_groups_train_hsdp_losses_and_their_checkpoints_move_both_ways(
     saved = sorted(p.name for p in (tmp_path / "ft" / "debug" / "checkpoints").glob("step-*"))
     assert saved == ["step-4", "step-6"]
     assert {p.name for p in (tmp_path / "ft" / "debug").glob("group*")} == {"group0", "group1"}
+    # TensorBoard, each group's own: the groups of every logged step.
+    for g in (0, 1):
+        assert scalars(tmp_path / "ft" / "debug" / f"group{g}")["ft/groups"] == [2.0, 2.0]
     step4 = tmp_path / "ft" / "debug" / "checkpoints" / "step-4"
     plain = run_distributed(train_losses, 2, [*base, f"--run.output_dir={tmp_path / 'plain'}",
                             "--train.steps=6", f"--checkpoint.resume={step4}"])[0]  # fmt: skip
