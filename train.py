@@ -89,12 +89,13 @@ from parallel.cp import split_after
 from parallel.dims import LaunchEnv
 from parallel.ep import build_expert_mesh
 from parallel.fsdp import assign_local_shard, reshard_plan
-from parallel.ft import Replicas, ReplicasDiverged, build_replicas
+from parallel.ft import Replicas, ReplicasDiverged
 from parallel.ft_config import group_folder
 from parallel.lora import adapter_names, init_lora
 from parallel.loss import ChunkedLoss
 from parallel.muon import Muon, muon_groups
 from parallel.pp import Pipeline
+from parallel.replicas import build_replicas
 from parallel.runtime import (
     build_mesh,
     dp_rank_and_size,

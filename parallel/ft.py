@@ -43,7 +43,6 @@ from torch.distributed.tensor import DTensor
 from configs import ConfigError
 from parallel.ft_config import (
     FaultToleranceConfig,
-    fingerprint,
     lighthouse_address,
     quiet_torchft,
 )
@@ -362,16 +361,3 @@ def _into(template: Any, received: Any) -> Any:
     if isinstance(template, torch.Tensor) and isinstance(received, torch.Tensor):
         return received.to(template.device)
     return received
-
-
-def build_replicas(
-    cfg: FaultToleranceConfig, rank: int, world: int, device: torch.device,
-    settings: dict[str, Any],
-) -> Replicas:  # fmt: skip
-    if not cfg.enabled:
-        return Replicas()
-    if cfg.sync_steps:
-        from parallel.diloco import SemiSyncGroups
-
-        return SemiSyncGroups(cfg, rank, world, device, fingerprint(settings))
-    return ReplicaGroups(cfg, rank, world, device, fingerprint(settings))

@@ -863,6 +863,7 @@ def test_sbatch_hsdp_two_nodes_trains_checkpoints_and_resumes(
 
 
 @pytest.mark.slow
+@pytest.mark.drill  # the groups' launch runs by default with multinode.sh (tests/test_ft.py)
 def test_sbatch_ft_runs_a_replica_group_per_node(
     slurm: Path, tiny_dataset: str, tmp_path: Path
 ) -> None:
