@@ -30,7 +30,15 @@ import torch
 
 from data.documents import MicroBatch, micro_batch
 from data.loader import DataConfig, build_dataloader
-from model import FAMILIES, ModelConfig, block_shapes, get_hf_mapping, moe_family, output_layer
+from model import (
+    FAMILIES,
+    ModelConfig,
+    block_shapes,
+    get_hf_mapping,
+    moe_family,
+    output_layer,
+    step_terms,
+)
 from tests import test_documents as docs
 from tests import zoo
 from tests.distributed import run_distributed
@@ -41,10 +49,15 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 DEFAULT = ModelConfig().name  # its trainer tests run in the quick tier, the others' in full
-ALL = {**FAMILIES, zoo.NAME: zoo}
+# The test family again, without the contract's optional block_shapes (zoo.undescribed): no
+# test here may need them. It runs the in-process tests (NAMES) and the expert-load check; the
+# spawned ones (SPAWNED: meshes, and trainer runs of many seconds each) leave it out, as it
+# differs from the test family only in a description they never read.
+ALL = {**FAMILIES, zoo.NAME: zoo, zoo.UNDESCRIBED: zoo.undescribed()}
 NAMES = list(ALL)
-TP_FAMILIES = [f for f, family in ALL.items() if getattr(family, "TP_PLAN", None) is not None]
-MOE_FAMILIES = [f for f, family in ALL.items() if moe_family(family) is not None]
+SPAWNED = [f for f in NAMES if f != zoo.UNDESCRIBED]
+TP_FAMILIES = [f for f in SPAWNED if getattr(ALL[f], "TP_PLAN", None) is not None]
+MOE_FAMILIES = [f for f in SPAWNED if moe_family(ALL[f]) is not None]
 HF_FAMILIES = [f for f in ALL if get_hf_mapping(f) is not None]
 
 # GQA (4 query heads share 2 kv heads) in 2 blocks; the rest (head_dim, FFN, experts) is the
@@ -107,8 +120,10 @@ def unit_scale(model: torch.nn.Module, seed: int) -> None:
 
 
 @pytest.fixture(autouse=True)
-def registered(zoo_family: str) -> None:
-    """The test family in model.FAMILIES for every test here (tests/conftest.py)."""
+def registered(zoo_family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test family in model.FAMILIES for every test here (tests/conftest.py), and in this
+    process its variant without block_shapes."""
+    monkeypatch.setitem(FAMILIES, zoo.UNDESCRIBED, ALL[zoo.UNDESCRIBED])
 
 
 def in_ranks(fn: Callable) -> Callable:
@@ -274,7 +289,7 @@ SLOW_INIT = ("fsdp-4-uneven", "fsdp-4-uneven-whole-draw", "hsdp-2x2-tp-2")
     [
         pytest.param(f, m, marks=[pytest.mark.slow] if m in SLOW_INIT else [], id=f"{f}-{m}")
         for m, (_, _, tp, _, _) in INIT_MESHES.items()
-        for f in (TP_FAMILIES if tp > 1 else NAMES)
+        for f in (TP_FAMILIES if tp > 1 else SPAWNED)
     ],
 )
 def test_initial_weights_identical_on_every_mesh(
@@ -460,7 +475,7 @@ DOCUMENT_MESHES = {"fsdp2": (1, 2, 1), "tp2": (1, 1, 2), "hsdp2x2": (2, 2, 1)}
     [
         pytest.param(f, m, marks=[pytest.mark.slow] if m == "hsdp2x2" else [], id=f"{f}-{m}")
         for m, dims in DOCUMENT_MESHES.items()
-        for f in (TP_FAMILIES if dims[2] > 1 else NAMES)
+        for f in (TP_FAMILIES if dims[2] > 1 else SPAWNED)
     ],
 )
 def test_sharded_meshes_equal_documents_alone_and_evaluate(
@@ -540,7 +555,7 @@ def golden_path(family: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    "family", [pytest.param(f, marks=[] if f == "llama3" else pytest.mark.slow) for f in NAMES]
+    "family", [pytest.param(f, marks=[] if f == "llama3" else pytest.mark.slow) for f in SPAWNED]
 )
 def test_golden_losses_of_the_debug_flavor(family: str, tiny_dataset: str, tmp_path: Path) -> None:
     """Each family's debug flavor's first 20 losses match its golden file (fp32, 1 process).
@@ -648,7 +663,7 @@ def straight(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", multi_rank_tiers(NAMES))
+@pytest.mark.parametrize("family", multi_rank_tiers(SPAWNED))
 def test_fp32_parity_one_process_fsdp_hsdp(
     family: str, straight: Callable[[str], dict], tiny_dataset: str
 ) -> None:
@@ -673,6 +688,14 @@ def test_fp32_parity_tensor_parallel(
     tests/test_tp.py."""
     want = straight(family)
     assert_same_run(train_run(tiny_dataset, want["out"], family, "tp", 2, "--parallel.tp=2"), want)
+
+
+def expert_blocks(family: Any, model: torch.nn.Module) -> list[int]:
+    """The indices of the blocks (fsdp_units) that hold experts, read from the model as the
+    planner reads it: block_shapes would say it too, but is optional."""
+    experts = {id(m) for m in moe_family(family).expert_modules(model)}
+    return [i for i, block in enumerate(family.fsdp_units(model))
+            if any(id(m) in experts for m in block.modules())]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -722,7 +745,7 @@ def test_expert_parallel_parity_and_its_checkpoint_resumes_without_ep(
     # busiest expert over the mean (1 = balanced, at most n_experts / top_k) and its share of
     # the block's routed tokens (at least 1 / n_experts).
     n_experts, top_k = args.n_experts, args.top_k
-    layers = [i for i, b in enumerate(block_shapes(FAMILIES[family], args)) if b.experts]
+    layers = expert_blocks(FAMILIES[family], model)
     blocks = range(SHAPE["n_layers"])
     assert [i for i in blocks if f"expert_load/busiest_share_layer{i:02d}" in ep] == layers
     for layer in layers:
@@ -749,7 +772,26 @@ def test_expert_parallel_parity_and_its_checkpoint_resumes_without_ep(
             assert 1 <= got <= sum(window) / len(window) + 1e-6, (got, window)
 
 
-@pytest.mark.parametrize("family", multi_rank_tiers(NAMES))
+@pytest.mark.parametrize("family", [f for f in NAMES if moe_family(ALL[f]) is not None])
+def test_expert_load_is_logged_by_the_blocks_that_hold_experts(family: str) -> None:
+    """After one forward, in process, the step terms log the expert load under the index of
+    each block that holds experts, as the model says (the expert parallel test reads them so),
+    and as block_shapes says where the family gives it. The test family without block_shapes
+    runs here, not in the expert parallel runs (many seconds each)."""
+    moe = FAMILIES[family]
+    model = initialized(family)
+    layers = expert_blocks(moe, model)
+    if (described := block_shapes(moe, model.args)) is not None:
+        assert layers == [i for i, b in enumerate(described) if b.experts]
+    terms = step_terms(moe, model)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(0)))
+    _, stats = terms.collect(2)
+    logged, blocks = terms.after_step(stats, log=True), range(SHAPE["n_layers"])
+    assert [i for i in blocks if f"expert_load/max_over_mean_layer{i:02d}" in logged] == layers
+
+
+@pytest.mark.parametrize("family", multi_rank_tiers(SPAWNED))
 def test_resume_is_bitwise_exact(
     family: str, saved_runs: Callable[[str], tuple[list, Path]], tiny_dataset: str
 ) -> None:

@@ -14,7 +14,8 @@ the trainer's tools honest about what such a family may do:
   module (the contract's output path), so the chunked loss applies it too.
 
 Its code imports only model/ and torch, as a family of model/ would (docs/forking.md): copied
-into model/ with a line in `FAMILIES` it is a family of the trainer.
+into model/ with a line in `FAMILIES` it is a family of the trainer. `undescribed()` is the same
+family without the contract's optional `block_shapes`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -49,6 +51,7 @@ from model.qwen3 import rope_frequencies
 from model.random_init import Draw
 
 NAME = "zoo"
+UNDESCRIBED = "zoo_undescribed"
 
 
 @dataclass(frozen=True)
@@ -416,6 +419,15 @@ def step_terms(model: nn.Module) -> RoutingBiasTerms:
 
 
 # Registration, for the tests only ------------------------------------------------------------
+
+
+def undescribed() -> SimpleNamespace:
+    """This family as a fork might write it without `block_shapes`, which the contract makes
+    optional: every other part is this module's own. The tests that run it hold the trainer's
+    tools to that word (they infer what they need from the model, as the planner does)."""
+    names = ["FLAVORS", "build_args", "build_model", "fsdp_units", "output_layer", "fp8_linears",
+             "expert_modules", "flops_per_token", "step_terms", "TP_PLAN"]  # fmt: skip
+    return SimpleNamespace(**{n: globals()[n] for n in names})
 
 
 @contextmanager
