@@ -458,7 +458,8 @@ def setup(
     if plan.ep > 1:  # the experts split over groups of ep ranks of a replica's dp_shard x cp x tp
         ranks = plan.dp_shard * plan.cp * plan.tp
         expert_mesh = build_expert_mesh(device, plan.dp_replicate, ranks, plan.ep, plan.pp)
-    built = build_model(plan.family, plan.args, job, mesh, expert_mesh, list(plan.stage_sizes))
+    sizes = list(plan.stage_sizes)
+    built = build_model(plan.family, plan.args, job.build_settings(), mesh, expert_mesh, sizes)
     model = built.model
     if env.rank == 0 and job.lora.enabled:
         logger.info("lora: rank %d, alpha %g on %d Linear layers (%s)", job.lora.rank,

@@ -89,7 +89,7 @@ def compiled_collectives(argv: list[str]) -> dict[str, int]:
     job = parse_config(JobConfig, argv)
     family = get_family(job.model.name)
     mesh = build_mesh(torch.device("cpu"), 1, env.world_size)
-    model = build_model(family, family.build_args(job.model), job, mesh).model
+    model = build_model(family, family.build_args(job.model), job.build_settings(), mesh).model
     model.to_empty(device="cpu")
     model.init_weights(seed=0, rope_len=job.data.seq_len, assign=assign_local_shard)
     tokens = torch.randint(0, job.model.vocab_size or 512, (2, job.data.seq_len))

@@ -58,7 +58,8 @@ def main() -> None:
     cpu = torch.device("cpu")
     job = parse_config(JobConfig, [str(REPO / "configs" / "debug.toml")])
     family = get_family(job.model.name)
-    model = build_model(family, family.build_args(job.model), job, build_mesh(cpu, 1, 1)).model
+    mesh = build_mesh(cpu, 1, 1)
+    model = build_model(family, family.build_args(job.model), job.build_settings(), mesh).model
     model.to_empty(device=cpu)
     model.init_weights(seed=0, rope_len=job.data.seq_len, assign=assign_local_shard)
     tokens = torch.randint(0, job.model.vocab_size, (2, job.data.seq_len))

@@ -160,7 +160,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     # The model as train.py builds it, on meta without a mesh (no memory): its checkpoint keys
     # and shapes (LoRA's adapters included), layer names and what trains. Patterns that match
     # nothing (lora.targets, train.freeze) fail here.
-    built = build_model(family, args, job)
+    built = build_model(family, args, job.build_settings())
     meta_model = built.model
     check_pp(job.parallel, job.compile.enabled, family, meta_model, accum)
     stage_sizes = pipeline_split(job, family, args)

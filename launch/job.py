@@ -21,6 +21,7 @@ from launch.health import HealthConfig
 from launch.metrics import MetricsConfig
 from model import ModelConfig
 from parallel.ac import ActivationCheckpointConfig
+from parallel.build import BuildSettings
 from parallel.compile import CompileConfig
 from parallel.dims import ParallelConfig
 from parallel.float8 import Float8Config
@@ -163,3 +164,14 @@ class JobConfig:
     dry_run: bool = False
     """Print the resolved config, mesh, parameter count, memory and communication plan, then
     exit."""
+
+    def build_settings(self) -> BuildSettings:
+        """The sections parallel/build.py reads to build the model as this job trains it."""
+        return BuildSettings(
+            parallel=self.parallel,
+            fp8=self.fp8,
+            ac=self.ac,
+            compile=self.compile,
+            lora=self.lora,
+            freeze=self.train.freeze,
+        )

@@ -1,8 +1,11 @@
 """The model as it will train: one builder, one order, called by train.py, the checks and the
 planner alike.
 
-    built = build_model(family, args, job)                        # meta, no mesh: checks, planner
-    built = build_model(family, args, job, mesh, expert_mesh)     # train.py: parallelized, on meta
+    built = build_model(family, args, settings)                     # meta, no mesh: checks, planner
+    built = build_model(family, args, settings, mesh, expert_mesh)  # train.py: parallelized, meta
+
+`settings` (`BuildSettings`) holds the sections of the job that the build reads, and nothing
+else: train.py and the checks pass `job.build_settings()` (launch/job.py), the planner its own.
 
 Without a mesh it stops after step 4 below (it needs no process group and no torchao): the
 checks read the checkpoint keys and shapes of what will train, the planner its FSDP units, which
@@ -53,15 +56,22 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from model import ModelFamily, StepTerms, step_terms
-from parallel.ac import apply_ac
-from parallel.compile import apply_compile
+from parallel.ac import ActivationCheckpointConfig, apply_ac
+from parallel.compile import CompileConfig, apply_compile
 from parallel.cp import apply_cp
+from parallel.dims import ParallelConfig
 from parallel.ep import apply_ep, experts_apart
-from parallel.float8 import Float8Decision, apply_float8, float8_policy, precompute_float8_scales
+from parallel.float8 import (
+    Float8Config,
+    Float8Decision,
+    apply_float8,
+    float8_policy,
+    precompute_float8_scales,
+)
 from parallel.freeze import apply_freeze
 from parallel.fsdp import apply_fsdp
 from parallel.graph_fsdp import apply_graph_fsdp
-from parallel.lora import apply_lora
+from parallel.lora import LoRAConfig, apply_lora
 from parallel.pp_split import Stage, StageFamily, merged_view, split_model
 from parallel.runtime import fsdp_and_tp_meshes, pp_size
 from parallel.tp import apply_tp
@@ -71,7 +81,19 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    from launch.job import JobConfig
+
+@dataclass
+class BuildSettings:
+    """What the build reads of the job: its sections that shape the model as it trains (not a
+    section of its own; launch/job.py `JobConfig.build_settings` gathers them from a job)."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    fp8: Float8Config = field(default_factory=Float8Config)
+    ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    freeze: list[str] = field(default_factory=list)
+    """train.freeze: glob patterns of the parameters that do not train."""
 
 
 @dataclass
@@ -118,14 +140,14 @@ class BuiltModel:
 def build_model(
     family: ModelFamily,
     args: Any,
-    job: JobConfig,
+    settings: BuildSettings,
     mesh: DeviceMesh | None = None,
     expert_mesh: DeviceMesh | None = None,
     stage_sizes: list[int] | None = None,
 ) -> BuiltModel:
     """The model of `family` with `args`, built on meta and, given the (dp_replicate,
     dp_shard, cp, tp) `mesh` (and, for expert parallel, the expert mesh), parallelized as it will
-    train, in the module docstring's order. Materialize it with `model.to_empty`.
+    train with `settings`, in the module docstring's order. Materialize it with `model.to_empty`.
     `stage_sizes`: blocks per pipeline stage (pp > 1; launch.check `Plan.stage_sizes`)."""
     import torch
 
@@ -136,15 +158,16 @@ def build_model(
     meshes = None if mesh is None else fsdp_and_tp_meshes(mesh)
     pp = 1 if mesh is None else pp_size(mesh)
     if pp == 1:
-        built.terms = _parallelize(built, model, family, job, mesh, meshes, expert_mesh)
+        built.terms = _parallelize(built, model, family, settings, mesh, meshes, expert_mesh)
         return built
     # 1b. The pipeline split: this rank's stages, each a copy of the model on meta holding its
     # blocks (parallel/pp_split.py); steps 2-6 then run on each stage as on a whole model.
     pp_rank = mesh["pp"].get_local_rank()
-    sizes = stage_sizes or list(job.parallel.pipeline.split)  # launch.check chose them
-    built.stages = split_model(model, family, job.parallel.pipeline, pp, pp_rank, sizes)
+    pipeline = settings.parallel.pipeline
+    sizes = stage_sizes or list(pipeline.split)  # launch.check chose them
+    built.stages = split_model(model, family, pipeline, pp, pp_rank, sizes)
     for stage in built.stages:
-        stage.terms = _parallelize(built, stage.model, stage.family, job, mesh, meshes,
+        stage.terms = _parallelize(built, stage.model, stage.family, settings, mesh, meshes,
                                    expert_mesh)  # fmt: skip
     built.model = merged_view(model, built.stages)
     return built
@@ -154,13 +177,13 @@ def _parallelize(
     built: BuiltModel,
     model: nn.Module,
     family: ModelFamily,
-    job: JobConfig,
+    settings: BuildSettings,
     mesh: DeviceMesh | None,
     meshes: tuple[DeviceMesh, DeviceMesh] | None,
     expert_mesh: DeviceMesh | None,
 ) -> StepTerms | None:
     """Steps 2-6 on `model` (the whole model, or one pipeline stage); returns its step terms."""
-    fp8 = job.fp8
+    fp8 = settings.fp8
     if fp8.enabled:  # 2
         candidates = family.fp8_linears(model)
         if mesh is None:
@@ -177,16 +200,16 @@ def _parallelize(
     if tp > 1:  # 3
         # torchao's float8 styles hand the layer a float8 input, which LoRA's adapters would
         # then receive too; and gloo has no float8 collectives.
-        float8_comm = fp8.enabled and fp8.recipe == "tensorwise" and not job.lora.enabled
+        float8_comm = fp8.enabled and fp8.recipe == "tensorwise" and not settings.lora.enabled
         float8_comm = float8_comm and mesh.device_type == "cuda"
         apply_tp(model, family, tp_mesh, float8_collectives=float8_comm)
     experts = None
     if expert_mesh is not None:  # its rows split over tp at tp > 1; its compute compiled apart
         tp_split = tp_mesh if tp > 1 else None
-        experts = apply_ep(model, family, expert_mesh, tp_split, job.compile)
+        experts = apply_ep(model, family, expert_mesh, tp_split, settings.compile)
     if mesh is not None and mesh["cp"].size() > 1:
         apply_cp(model, mesh["cp"])
-    lora, freeze = job.lora, job.train.freeze
+    lora, freeze = settings.lora, settings.freeze
     if isinstance(family, StageFamily):  # a pipeline stage: what it holds of the patterns
         lora = replace(lora, targets=family.own(lora.targets, "linears"))
         freeze = family.own(freeze, "params")
@@ -197,17 +220,18 @@ def _parallelize(
     terms = step_terms(family, model)
     if mesh is None:
         return terms
-    if job.compile.fsdp == "graph":  # 5-6 as one graph that holds FSDP's collectives
-        apply_ac(model, family.fsdp_units(model), job.ac, in_graph=True)
-        apply_graph_fsdp(model, family, fsdp_mesh, job.parallel, job.compile)
+    compile_cfg, ac = settings.compile, settings.ac
+    if compile_cfg.fsdp == "graph":  # 5-6 as one graph that holds FSDP's collectives
+        apply_ac(model, family.fsdp_units(model), ac, in_graph=True)
+        apply_graph_fsdp(model, family, fsdp_mesh, settings.parallel, compile_cfg)
         return terms
-    compile_first = tp_compile_workarounds(model, family, tp, job.compile.enabled, job.ac.mode)
-    apart = experts_apart(model, family, job.compile, experts)  # compiled around them
+    compile_first = tp_compile_workarounds(model, family, tp, compile_cfg.enabled, ac.mode)
+    apart = experts_apart(model, family, compile_cfg, experts)  # compiled around them
     if compile_first:  # 5
-        apply_compile(model, family.fsdp_units(model), job.compile, apart)
-        apply_ac(model, family.fsdp_units(model), job.ac)
+        apply_compile(model, family.fsdp_units(model), compile_cfg, apart)
+        apply_ac(model, family.fsdp_units(model), ac)
     else:
-        apply_ac(model, family.fsdp_units(model), job.ac)
-        apply_compile(model, family.fsdp_units(model), job.compile, apart)
-    apply_fsdp(model, family.fsdp_units(model), fsdp_mesh, job.parallel, experts)  # 6
+        apply_ac(model, family.fsdp_units(model), ac)
+        apply_compile(model, family.fsdp_units(model), compile_cfg, apart)
+    apply_fsdp(model, family.fsdp_units(model), fsdp_mesh, settings.parallel, experts)  # 6
     return terms

@@ -19,6 +19,7 @@ from torch import nn
 
 from model import ModelFamily, block_shapes, moe_family
 from model.blocks import BlockShape
+from parallel.build import BuildSettings, build_model
 from parallel.float8 import Float8Config
 from parallel.lora import LoRAConfig
 from parallel.muon import muon_parameters
@@ -161,15 +162,13 @@ def model_shape(
     on and tensorwise, the weights of the Linear layers the FP8 policy converts are all-gathered
     in float8 (rowwise gathers in the compute dtype). `lora` (when enabled) and `freeze`: what
     trains, as train.py sets it (LoRA's adapters are parameters of their blocks' units)."""
-    from launch.job import JobConfig, TrainConfig  # the job tree imports this module's peers
-    from parallel.build import build_model
-
-    job = JobConfig(train=TrainConfig(freeze=list(freeze)))
-    job.fp8, job.lora = fp8 or job.fp8, lora or job.lora
-    built = build_model(family, args, job)  # on meta, as train.py builds it, without a mesh
+    settings = BuildSettings(
+        fp8=fp8 or Float8Config(), lora=lora or LoRAConfig(), freeze=list(freeze)
+    )
+    built = build_model(family, args, settings)  # on meta, as train.py builds it, without a mesh
     model = built.model
     float8 = set()
-    if job.fp8.enabled and job.fp8.recipe == "tensorwise":
+    if settings.fp8.enabled and settings.fp8.recipe == "tensorwise":
         modules = dict(model.named_modules())
         float8 = {id(modules[d.fqn].weight) for d in built.float8 if d.converted}
     # The TP plan names the base layers; their own weights (not LoRA's adapters) are split.

@@ -204,7 +204,8 @@ def compiled_step(bucket_mbs: list[float]) -> dict[str, Any]:
                                           for mb in bucket_mbs]:  # fmt: skip
         job = parse_config(JobConfig, [*TINY, "--model.n_layers=1", *flags])
         family = get_family(job.model.name)
-        model = build_model(family, family.build_args(job.model), job, mesh).model
+        args = family.build_args(job.model)
+        model = build_model(family, args, job.build_settings(), mesh).model
         model.to_empty(device="cpu")
         model.init_weights(seed=0, rope_len=32, assign=assign_local_shard)
 

@@ -1,5 +1,5 @@
 """Imports among the project's own modules run one way: no cycle, counting imports inside
-functions and relative imports.
+functions and relative imports, and nothing below the job (launch/, train.py) imports it.
 
 A cycle works only while each side imports the other late enough (inside a function, at the
 bottom of a module); the next edit that moves one breaks it, and a reader cannot follow the
@@ -115,6 +115,19 @@ def test_no_import_cycle_among_project_modules() -> None:
     assert len(graph) > 30 and "train" in graph and "model.llama_hf" in graph
     cycles = import_cycles(graph)
     assert not cycles, "import cycles (make the arrows run one way):\n" + describe(cycles, graph)
+
+
+# The job (launch/, train.py) assembles the rooms below it and imports them, never the reverse:
+# a room that imports the job's tree (even inside a function) depends on every other room.
+JOB = ("launch", "train")
+
+
+def test_no_room_below_the_job_imports_it() -> None:
+    graph = import_graph(ROOT)
+    up = [f"{a} -> {b}  ({where})" for a, imported in graph.items()
+          if a.partition(".")[0] not in JOB
+          for b, where in imported.items() if b.partition(".")[0] in JOB]  # fmt: skip
+    assert not up, "imports of the job from below it (pass the sections instead):\n" + "\n".join(up)
 
 
 def test_pyproject_installs_every_project_module() -> None:

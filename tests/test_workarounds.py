@@ -214,7 +214,8 @@ def op_ac_around_a_one_rank_unit() -> dict[str, str]:
     torch_own = set(checkpoint.SAC_IGNORED_OPS)
     outcomes = {}
     for case in ("without", "with"):
-        model = build_model(family, family.build_args(job.model), job, mesh, experts).model
+        args = family.build_args(job.model)
+        model = build_model(family, args, job.build_settings(), mesh, experts).model
         if case == "without":  # apply_ac added the workaround's ops: back to torch's own
             checkpoint.SAC_IGNORED_OPS.intersection_update(torch_own)
         model.to_empty(device=cpu)
