@@ -68,6 +68,7 @@ from parallel.plan import (
     plan_memory,
 )
 from parallel.pp import check_pp
+from parallel.pp_config import PipelineConfig
 from parallel.pp_plan import balanced_split, block_costs, describe, plan_pipeline
 from parallel.runtime import launched_by_torchrun
 from parallel.tp import check_tp
@@ -364,13 +365,18 @@ def unintended_settings(job: JobConfig) -> list[str]:
             "recomputed blocks of ac.mode='selective' only"
         )
     if job.optim.name != "muon" and (unused := changed_fields(job.optim.muon, MuonConfig())):
-        settings = ", ".join(f"optim.muon.{name}={value!r}" for name, value in unused.items())
-        verb = "has" if len(unused) == 1 else "have"
-        warnings.append(f"{settings} {verb} no effect with optim.name={job.optim.name!r}")
+        warnings.append(no_effect("optim.muon", unused, f"optim.name={job.optim.name!r}"))
     if not job.compile.enabled and (unused := changed_fields(job.compile, CompileConfig())):
-        settings = ", ".join(f"compile.{name}={value!r}" for name, value in unused.items())
-        verb = "has" if len(unused) == 1 else "have"
-        warnings.append(f"{settings} {verb} no effect with compile.enabled=false")
+        warnings.append(no_effect("compile", unused, "compile.enabled=false"))
+    elif job.compile.fsdp == "hooks" and job.compile.bucket_mb != CompileConfig().bucket_mb:
+        why = "it sizes the collective buckets of compile.fsdp='graph' only (FSDP2's hooks "
+        why += "gather a whole unit at once)"
+        unused = {"bucket_mb": job.compile.bucket_mb}
+        warnings.append(no_effect("compile", unused, "compile.fsdp='hooks'", why))
+    pipeline = job.parallel.pipeline
+    if job.parallel.pp == 1 and (unused := changed_fields(pipeline, PipelineConfig())):
+        why = "[parallel.pipeline] sets how parallel.pp > 1 runs its stages"
+        warnings.append(no_effect("parallel.pipeline", unused, "parallel.pp=1", why))
     # Not an error: turning evaluation off for one run (--train.eval_interval=0) keeps the
     # config's tasks, whose files may not be there; but a broken one goes unnoticed until then.
     if job.eval.tasks and job.train.eval_interval <= 0:
@@ -380,16 +386,20 @@ def unintended_settings(job: JobConfig) -> list[str]:
             "files are not read (nor checked): set train.eval_interval to score them"
         )
     if not job.fp8.enabled and (unused := changed_fields(job.fp8, Float8Config())):
-        settings = ", ".join(f"fp8.{name}={value!r}" for name, value in unused.items())
-        verb = "has" if len(unused) == 1 else "have"
-        warnings.append(f"{settings} {verb} no effect with fp8.enabled=false")
+        warnings.append(no_effect("fp8", unused, "fp8.enabled=false"))
     # (W&B's own WANDB_* variables are for any script on the machine: they are not named.)
     unused = changed_fields(job.metrics, MetricsConfig())
     if not job.metrics.wandb and (unused := {k: v for k, v in unused.items() if "wandb_" in k}):
-        settings = ", ".join(f"metrics.{name}={value!r}" for name, value in unused.items())
-        verb = "has" if len(unused) == 1 else "have"
-        warnings.append(f"{settings} {verb} no effect with metrics.wandb=false")
+        warnings.append(no_effect("metrics", unused, "metrics.wandb=false"))
     return warnings
+
+
+def no_effect(section: str, unused: dict[str, Any], mode: str, why: str = "") -> str:
+    """'section.key=value, ... has (have) no effect with `mode`[: why]': one warning for the
+    changed keys of a section that the mode does not read."""
+    settings = ", ".join(f"{section}.{name}={value!r}" for name, value in unused.items())
+    verb = "has" if len(unused) == 1 else "have"
+    return f"{settings} {verb} no effect with {mode}" + (f": {why}" if why else "")
 
 
 def changed_fields(cfg: Any, default: Any) -> dict[str, Any]:

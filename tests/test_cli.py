@@ -164,6 +164,32 @@ def test_settings_that_have_no_effect_in_a_config_file_are_warned_about(
     assert warnings("--ac.mode=selective", "--fp8.recipe=tensorwise", "--fp8.skip=output") == []
 
 
+def test_graph_buckets_without_graph_and_pipeline_settings_at_pp_1_are_warned_about(
+    tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """compile.bucket_mb sizes compile.fsdp='graph''s buckets, [parallel.pipeline] how pp > 1
+    runs its stages: changed from their defaults without those, one warning each among a dry
+    run's first lines, naming what would read them. With them, nothing is said."""
+    from configs import parse_config
+    from launch.check import unintended_settings
+    from launch.job import JobConfig
+
+    argv = [*base_argv(tiny_dataset, tmp_path), "--train.micro_batch_size=2", "--dry-run",
+            "--train.steps=20", "--compile.enabled=true", "--compile.bucket_mb=64",
+            "--parallel.pipeline.schedule=gpipe", "--parallel.pipeline.split=1,1"]  # fmt: skip
+    os.environ.pop("WORLD_SIZE", None)
+    with caplog.at_level(logging.WARNING, logger="train"):
+        assert train.main(argv) == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "compile.bucket_mb=64.0 has no effect with compile.fsdp='hooks': it sizes the collective "
+        "buckets of compile.fsdp='graph' only (FSDP2's hooks gather a whole unit at once)",
+        "parallel.pipeline.schedule='gpipe', parallel.pipeline.split=[1, 1] have no effect with "
+        "parallel.pp=1: [parallel.pipeline] sets how parallel.pp > 1 runs its stages",
+    ]
+    job = parse_config(JobConfig, [*argv, "--compile.fsdp=graph", "--parallel.pp=2"])
+    assert unintended_settings(job) == []
+
+
 @pytest.mark.slow
 @pytest.mark.drill  # plain torchrun's rank-side one-line error runs by default in
 # test_launch.py (a missing interface); the mesh error by default under python and torchrun.sh
