@@ -387,6 +387,13 @@ def unintended_settings(job: JobConfig) -> list[str]:
         )
     if not job.fp8.enabled and (unused := changed_fields(job.fp8, Float8Config())):
         warnings.append(no_effect("fp8", unused, "fp8.enabled=false"))
+    ft, unused = job.ft, changed_fields(job.ft, FaultToleranceConfig())
+    outer = {k: v for k, v in unused.items() if k.startswith("outer_")}
+    if not ft.enabled and unused:
+        warnings.append(no_effect("ft", unused, "ft.enabled=false"))
+    elif ft.sync_steps == 0 and outer:
+        why = "DiLoCo's outer optimizer runs with ft.sync_steps > 0 only"
+        warnings.append(no_effect("ft", outer, "ft.sync_steps=0", why))
     # (W&B's own WANDB_* variables are for any script on the machine: they are not named.)
     unused = changed_fields(job.metrics, MetricsConfig())
     if not job.metrics.wandb and (unused := {k: v for k, v in unused.items() if "wandb_" in k}):

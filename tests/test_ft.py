@@ -345,3 +345,19 @@ def test_the_dry_run_says_what_a_heal_moves() -> None:
         rows["params"] + rows["optimizer"], rel=0.01
     )
     assert "FT3 x FSDP 1x4" in done.stdout
+
+
+def test_ft_settings_that_do_not_apply_are_said() -> None:
+    from launch.check import unintended_settings
+    from launch.job import JobConfig
+
+    off = parse_config(JobConfig, ["--ft.groups=4", "--ft.sync_steps=10"])
+    assert "ft.groups=4, ft.sync_steps=10 have no effect with ft.enabled=false" in "\n".join(
+        unintended_settings(off)
+    )
+    sync = parse_config(JobConfig, ["--ft.enabled=true", "--ft.outer_lr=0.5"])
+    assert (
+        "ft.outer_lr=0.5 has no effect with ft.sync_steps=0: DiLoCo's outer optimizer runs "
+        "with ft.sync_steps > 0 only"
+    ) in unintended_settings(sync)
+    assert not [w for w in unintended_settings(parse_config(JobConfig, [])) if "ft." in w]
