@@ -183,6 +183,28 @@ def test_diloco_groups_meet_every_sync_steps_and_leave_it_bitwise_equal(
 
 
 @pytest.mark.slow
+@pytest.mark.drill  # the groups' own mesh composes as FSDP does; the parity above is FSDP's
+@pytest.mark.parametrize("inside", [["--parallel.tp=2"], ["--parallel.pp=2"]], ids=["tp", "pp"])
+def test_replica_groups_with_tp_or_pp_inside_train_hsdp_losses(
+    tiny_dataset: str, tmp_path: Path, inside: list[str]
+) -> None:
+    """Tensor parallel or pipeline stages inside each group of 2 ranks: the groups' losses
+    are HSDP 2 x (the same inside)'s, 4 steps."""
+    base = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY, *FP32,
+            "--train.steps=4", "--train.micro_batch_size=2", *inside]  # fmt: skip
+    hsdp = run_distributed(train_losses, 4, [*base, "--run.name=hsdp", "--parallel.dp_replicate=2"],
+                           nodes=2)[0]  # fmt: skip
+    server = lighthouse(2)
+    try:
+        ft = run_groups([*base, "--run.name=ft"], 2, 2, server.address())
+    finally:
+        server.shutdown()
+    for g in (0, 1):
+        assert not isinstance(ft[g], Exception), ft[g]
+        assert_close(ft[g][0], hsdp, rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_groups_with_different_settings_are_refused_at_the_first_quorum(
     tiny_dataset: str, tmp_path: Path
 ) -> None:
