@@ -347,13 +347,14 @@ def test_a_digest_tells_equal_states_from_one_bit_apart() -> None:
     assert _digest({"w": flipped, "m": state["m"]}) != _digest(state)
 
 
-def test_the_dry_run_says_what_a_heal_moves() -> None:
+def test_the_dry_run_says_what_a_heal_moves(tmp_path: Path) -> None:
     """Each rank of a healing group receives its shard of the fp32 weights and of the
     optimizer state: the planner's two memory rows, summed."""
     env = ENV | {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
+    # Its own run folder: the checkout's outputs/ may hold the quick start's run (conftest.py).
     done = subprocess.run([sys.executable, "train.py", "configs/debug.toml", "--dry-run",
-                           "--ft.enabled=true", "--ft.groups=3", "--train.global_batch_size=24"],
-                          cwd=ROOT, env=env,
+                           "--ft.enabled=true", "--ft.groups=3", "--train.global_batch_size=24",
+                           f"--run.output_dir={tmp_path}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = {
