@@ -336,6 +336,35 @@ def test_kill_9_of_a_group_stops_no_other_and_it_heals_from_a_live_peer(
                 launched.end()
 
 
+@pytest.mark.slow
+@pytest.mark.drill  # the restart by hand runs by default (above); this is torchrun's own
+def test_a_rank_restarted_by_torchrun_heals_from_a_live_peer(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """MAX_RESTARTS=1: group 1's rank killed, its torchrun starts it again in the same agent,
+    and it loads group 0's live state at its first quorum."""
+    port = free_port()
+    args = ["launch/multinode.sh", "configs/debug.toml", f"--data.path={tiny_dataset}",
+            f"--run.output_dir={tmp_path}", *TINY, *FP32, "--train.steps=5000",
+            "--metrics.log_interval=5", "--ft.compare_interval=10",
+            "--ft.timeout_s=10"]  # fmt: skip
+    first = Launched([tmp_path / "group0.log"], [args], [group_env(0, port)])
+    second = Launched([tmp_path / "group1.log"], [args],
+                      [group_env(1, port) | {"MAX_RESTARTS": "1"}])  # fmt: skip
+    try:
+        second.wait_for(r"step 15/\d+  loss", timeout=120)
+        agent = second.procs[0].pid
+        for pid in second.worker_pids().values():
+            os.kill(pid, signal.SIGKILL)
+        # After the heal, the next comparison: the same bits as group 0's.
+        second.wait_for(r"healed from a live replica group[\s\S]*" + EQUAL.pattern, timeout=120)
+        assert alive(agent), second.text()[-3000:]
+        assert "resuming" not in second.text()
+    finally:
+        first.end()
+        second.end()
+
+
 def test_a_digest_tells_equal_states_from_one_bit_apart() -> None:
     from parallel.ft import _digest
 
