@@ -398,12 +398,16 @@ def _train(
         for line in summary.lines(reason, job.checkpoint.interval):
             logger.info("%s", line)
     if end.node_lost:  # not 0: torchrun restarts the workers on the nodes that remain
-        saved = f"step {run.progress.step} saved" if job.checkpoint.interval else "nothing saved"
-        return end.losses, NodeLost(
-            f"a node's launcher died: {saved}; exit status {NODE_LOST_EXIT} so that torchrun "
-            "restarts the workers on the nodes that remain (--nnodes=MIN:MAX, --max-restarts; "
-            "docs/launch.md)"
+        # Under ft.enabled one replica group saves (parallel/ft.py): maybe another.
+        saved = f"step {run.progress.step} saved" if end.saved else "nothing saved"
+        then = (
+            "the other replica groups go on, and this one heals from them when started again "
+            "(docs/launch.md)"
+            if job.ft.enabled
+            else f"exit status {NODE_LOST_EXIT} so that torchrun restarts the workers on the "
+            "nodes that remain (--nnodes=MIN:MAX, --max-restarts; docs/launch.md)"
         )
+        return end.losses, NodeLost(f"a node's launcher died: {saved}; {then}")
     return end.losses, None
 
 
