@@ -275,6 +275,79 @@ def run_case(nodes: int, mode: str, opts: argparse.Namespace, cgroups: CpuGroups
     return result
 
 
+def fault_case(opts: argparse.Namespace, cgroups: CpuGroups, port: int) -> dict:
+    """Two nodes as replica groups (ft.enabled): node 1's ranks killed (SIGKILL) after its
+    step 5, then started again. Seconds from the kill to node 0's first step without it, from
+    the restart to its heal and first step, and the bytes node 0's link sent for the heal.
+
+    The heal needs each node's host name to reach it (torchft's HTTP checkpoint transport
+    advertises `socket.gethostname()`): these namespaces share the machine's name, which
+    resolves to loopback, so here the heal fails and is reported as None (docs/scaling.md)."""
+    run_dir = opts.out.parent / "runs"
+    lighthouse = subprocess.Popen(
+        [*nsexec(0), str(Path(sys.executable).parent / "torchft_lighthouse"),
+         "--min_replicas", "1", "--bind", f"[::]:{port + 1000}", "--heartbeat_timeout_ms",
+         "1000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    args = [*MODEL, "--parallel.dp_replicate=1", f"--parallel.dp_shard={opts.nproc}",
+            "--ft.enabled=true", "--ft.groups=2", "--ft.compare_interval=0",
+            f"--ft.lighthouse=http://{node_ip(0)}:{port + 1000}", "--train.steps=100000",
+            f"--train.global_batch_size={2 * opts.nproc}", "--metrics.log_interval=1",
+            f"--run.output_dir={run_dir}", "--run.name=ft-fault"]  # fmt: skip
+
+    def start(node: int, label: str, store_port: int) -> list[subprocess.Popen]:
+        procs = []
+        for local in range(opts.nproc):
+            env = os.environ | {
+                "RANK": str(local), "LOCAL_RANK": str(local), "WORLD_SIZE": str(opts.nproc),
+                "LOCAL_WORLD_SIZE": str(opts.nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                "MASTER_ADDR": node_ip(node), "MASTER_PORT": str(store_port),
+                "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
+            }  # fmt: skip
+            log = open(run_dir / f"{label}.rank{local}.log", "w")  # noqa: SIM115
+            procs.append(subprocess.Popen(
+                [*nsexec(node), sys.executable, "train.py", *args, f"--ft.group={node}"],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=lambda i=node * opts.nproc + local: cgroups.join(i),
+            ))  # fmt: skip
+        return procs
+
+    def seen(label: str, pattern: str, timeout: float = 600) -> float | None:
+        log, deadline = run_dir / f"{label}.rank0.log", time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if re.search(pattern, log.read_text()):
+                return time.monotonic()
+            time.sleep(0.1)
+        print(f"scaling: {pattern!r} not in {log} after {timeout} s", file=sys.stderr)
+        return None
+
+    procs = start(0, "fault-n0", port) + start(1, "fault-n1", port)
+    try:
+        seen("fault-n1", r"step 5/\d+  loss")
+        for p in procs[opts.nproc :]:
+            os.killpg(p.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        failover = seen("fault-n0", r"1 of 2 replica groups; the step")
+        sent, restarted = tx_bytes(0), time.monotonic()
+        procs += start(1, "fault-n1-again", port + 1)  # a fresh store port
+        healed = seen("fault-n1-again", "healed from a live replica group", timeout=180)
+        stepped = healed and seen("fault-n1-again", r"step \d+/\d+  loss")
+
+        def since(t: float | None, start: float) -> float | None:
+            return None if t is None else round(t - start, 1)
+
+        result = {"mode": "ft-fault", "kill_to_next_step_s": since(failover, killed),
+                  "start_to_heal_s": since(healed, restarted),
+                  "start_to_first_step_s": since(stepped, restarted),
+                  "heal_link_bytes_node0": tx_bytes(0) - sent}  # fmt: skip
+    finally:
+        for p in [*procs, lighthouse]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    print(f"  ft-fault: {result}", file=sys.stderr)
+    return result
+
+
 def predicted_link_bytes(
     nodes: int, mode: str, nproc: int, grad_accum: int, sync_steps: int = 10
 ) -> float:
@@ -390,6 +463,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "hsdp, ft (a replica group per node on torchft, parallel/ft.py), diloco "
                    "(the same groups meeting every --sync-steps, parallel/diloco.py)")  # fmt: skip
     p.add_argument("--sync-steps", type=int, default=10, help="ft.sync_steps of mode diloco")
+    p.add_argument("--fault", action="store_true", help="only the replica groups' fault case: "
+                   "node 1 killed and started again (fault_case)")  # fmt: skip
     p.add_argument("--eval-batches", type=int, default=0, help="> 0: the validation loss "
                    "after the last step (train.eval_batches), a column of its own")  # fmt: skip
     p.add_argument("--steps", type=int, default=14)
@@ -439,6 +514,10 @@ def main(argv: list[str] | None = None) -> int:
             "command": shlex.join([sys.executable, "bench/scaling.py", *(argv or sys.argv[1:])]),
         }  # fmt: skip
         port = 29610
+        if opts.fault:
+            report["results"].append(fault_case(opts, cgroups, port))
+            opts.out.write_text(json.dumps(report, indent=2) + "\n")
+            return 0
         for nodes in opts.nodes:
             for mode in opts.modes.split(",") if nodes > 1 else ("fsdp",):
                 port += 1  # a fresh port per case: no TIME_WAIT from the last one
