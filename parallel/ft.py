@@ -231,9 +231,8 @@ class ReplicaGroups(Replicas):
                                dtype=torch.float64)  # fmt: skip
         both = torch.cat([digests, digests**2]).to(self.device)
         self.manager.allreduce(both, reduce_op=ReduceOp.SUM).wait()
-        sums, squares = both.cpu().chunk(2)
         present = self.present
-        differ = self.manager.errored() is None and bool((sums * sums != present * squares).any())
+        differ = self.manager.errored() is None and bool(_unequal(both, present).any())
         # Every rank of the group decides alike, also when only some ranks' shards differ.
         flag = torch.tensor([float(differ)], device=self.device)
         all_reduce(flag, op=ReduceOp.MAX)
@@ -259,11 +258,11 @@ class ReplicaGroups(Replicas):
         values = torch.tensor(list(self.settings.values()), dtype=torch.float64)
         both = torch.cat([tensor.flatten().double().cpu(), values, values**2]).to(tensor.device)
         self.manager.allreduce(both, reduce_op=ReduceOp.SUM).wait()
-        n, present = tensor.numel(), self.present
-        sums, squares = both[n : n + len(values)].cpu(), both[n + len(values) :].cpu()
+        n = tensor.numel()
         if self.manager.errored() is None:
-            for name, total, total_sq in zip(self.settings, sums, squares, strict=True):
-                if total * total != present * total_sq:
+            unequal = _unequal(both[n:], self.present).tolist()
+            for name, differs in zip(self.settings, unequal, strict=True):
+                if differs:
                     raise ConfigError(
                         f"ft: the replica groups differ in {name}: every group must run the "
                         "same model, data and batch settings (start them with the same "
@@ -317,6 +316,13 @@ class ReplicaGroups(Replicas):
         self.healed = True
         logger.info("healed from a live replica group: its weights, optimizer state, step and "
                     "data position")  # fmt: skip
+
+
+def _unequal(summed: torch.Tensor, present: int) -> torch.Tensor:
+    """From [x..., x^2...] summed over `present` groups, which x were not the same in every
+    group: the sums are P x and P x^2 exactly when they were (Cauchy-Schwarz otherwise)."""
+    sums, squares = summed.cpu().chunk(2)
+    return sums * sums != present * squares
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
