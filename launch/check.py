@@ -368,11 +368,16 @@ def unintended_settings(job: JobConfig) -> list[str]:
         warnings.append(no_effect("optim.muon", unused, f"optim.name={job.optim.name!r}"))
     if not job.compile.enabled and (unused := changed_fields(job.compile, CompileConfig())):
         warnings.append(no_effect("compile", unused, "compile.enabled=false"))
-    elif job.compile.fsdp == "hooks" and job.compile.bucket_mb != CompileConfig().bucket_mb:
-        why = "it sizes the collective buckets of compile.fsdp='graph' only (FSDP2's hooks "
-        why += "gather a whole unit at once)"
+    elif job.compile.bucket_mb != CompileConfig().bucket_mb and (
+        job.compile.fsdp == "hooks" or job.compile.backend != "inductor"
+    ):
+        why = "it sizes the collective buckets Inductor makes under compile.fsdp='graph' only "
+        why += "(FSDP2's hooks gather a whole unit at once)"
         unused = {"bucket_mb": job.compile.bucket_mb}
-        warnings.append(no_effect("compile", unused, "compile.fsdp='hooks'", why))
+        mode = "compile.fsdp='hooks'"
+        if job.compile.fsdp == "graph":
+            mode = f"compile.backend={job.compile.backend!r}"
+        warnings.append(no_effect("compile", unused, mode, why))
     pipeline = job.parallel.pipeline
     if job.parallel.pp == 1 and (unused := changed_fields(pipeline, PipelineConfig())):
         why = "[parallel.pipeline] sets how parallel.pp > 1 runs its stages"

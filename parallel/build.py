@@ -23,7 +23,7 @@ why each step comes where it does:
    FSDP (which then shards the float8-aware weights). Without a mesh: only the decisions.
 3. Tensor parallel (tp > 1), then expert parallel (an expert mesh): on the model on meta,
    before AC, compile and FSDP, which wrap or shard the split modules and DTensors they leave.
-   Its tp mesh comes from the root of FSDP's (`fsdp_and_tp_meshes`): FSDP2 joins them.
+   Its tp mesh comes from the root of FSDP's (`fsdp_meshes`): FSDP2 joins them.
    At tp > 1 expert parallel splits the MoE layer's routed rows over tp (parallel/ep.py).
    Then context parallel (cp > 1): hooks around the root's forward, no module or parameter
    changed, so nothing after it sees a difference; activation checkpointing's recompute gets
@@ -73,7 +73,7 @@ from parallel.fsdp import apply_fsdp
 from parallel.graph_fsdp import apply_graph_fsdp
 from parallel.lora import LoRAConfig, apply_lora
 from parallel.pp_split import Stage, StageFamily, merged_view, split_model
-from parallel.runtime import fsdp_and_tp_meshes, pp_size
+from parallel.runtime import fsdp_meshes, pp_size
 from parallel.tp import apply_tp
 from parallel.workarounds import tp_compile_workarounds
 
@@ -155,7 +155,7 @@ def build_model(
         model = family.build_model(args)
     built = BuiltModel(model)
     # FSDP's and tp's meshes, once: with cp they are new process groups (parallel/runtime.py).
-    meshes = None if mesh is None else fsdp_and_tp_meshes(mesh)
+    meshes = None if mesh is None else fsdp_meshes(mesh)
     pp = 1 if mesh is None else pp_size(mesh)
     if pp == 1:
         built.terms = _parallelize(built, model, family, settings, mesh, meshes, expert_mesh)
@@ -179,11 +179,11 @@ def _parallelize(
     family: ModelFamily,
     settings: BuildSettings,
     mesh: DeviceMesh | None,
-    meshes: tuple[DeviceMesh, DeviceMesh] | None,
+    meshes: tuple[DeviceMesh, DeviceMesh, DeviceMesh] | None,
     expert_mesh: DeviceMesh | None,
 ) -> StepTerms | None:
     """Steps 2-6 on `model` (the whole model, or one pipeline stage); returns its step terms."""
-    fp8 = settings.fp8
+    fp8, graph = settings.fp8, settings.compile.fsdp == "graph"
     if fp8.enabled:  # 2
         candidates = family.fp8_linears(model)
         if mesh is None:
@@ -192,11 +192,11 @@ def _parallelize(
             # FSDP shards over dp_shard x cp (parallel/runtime.py dp_mesh): cp ranks gather too.
             sharded = mesh["dp_shard"].size() * mesh["cp"].size() > 1
             built.float8 += apply_float8(model, fp8, candidates=candidates,
-                                         weights_sharded=sharded)  # fmt: skip
+                                         weights_sharded=sharded, in_graph=graph)  # fmt: skip
             built._after_step.append(lambda: precompute_float8_scales(model, fp8))
     tp = 1 if mesh is None else mesh["tp"].size()
     if meshes is not None:
-        fsdp_mesh, tp_mesh = meshes
+        fsdp_mesh, tp_mesh, joint_mesh = meshes
     if tp > 1:  # 3
         # torchao's float8 styles hand the layer a float8 input, which LoRA's adapters would
         # then receive too; and gloo has no float8 collectives.
@@ -223,7 +223,8 @@ def _parallelize(
     compile_cfg, ac = settings.compile, settings.ac
     if compile_cfg.fsdp == "graph":  # 5-6 as one graph that holds FSDP's collectives
         apply_ac(model, family.fsdp_units(model), ac, in_graph=True)
-        apply_graph_fsdp(model, family, fsdp_mesh, settings.parallel, compile_cfg)
+        apply_graph_fsdp(model, family, fsdp_mesh, joint_mesh if tp > 1 else None,
+                         settings.parallel, compile_cfg, fp8.enabled)  # fmt: skip
         return terms
     compile_first = tp_compile_workarounds(model, family, tp, compile_cfg.enabled, ac.mode)
     apart = experts_apart(model, family, compile_cfg, experts)  # compiled around them

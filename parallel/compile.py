@@ -61,11 +61,6 @@ class CompileConfig:
                 "compile.fsdp='graph' compiles the whole model with its collectives: set "
                 "compile.enabled=true too"
             )
-        if self.fsdp == "graph" and self.backend != "inductor":
-            raise ConfigError(
-                f"compile.fsdp='graph' with compile.backend='{self.backend}': Inductor buckets, "
-                "reorders and reshards the graph's collectives; use compile.backend='inductor'"
-            )
 
 
 def compile_loss(loss_fn: Callable[..., torch.Tensor], cfg: CompileConfig) -> Callable:

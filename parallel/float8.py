@@ -192,19 +192,21 @@ def apply_float8(
     *,
     candidates: Collection[str] | None = None,
     weights_sharded: bool = True,
+    in_graph: bool = False,
 ) -> list[Float8Decision]:
     """Convert the layers `float8_policy` picks among `candidates` (the family's
     `fp8_linears`), in place; log and return its decisions.
 
     `weights_sharded` (FSDP's shard group, dp_shard x cp, has more than one rank): all-gather
     weights in float8 (tensorwise); with False there is no float8 all-gather and no scale
-    precompute.
+    precompute. `in_graph` (compile.fsdp='graph'): the compiled graph gathers them in float8
+    itself (parallel/graph_fsdp.py), so FSDP2's extension and its precompute stay off.
     """
     with _quiet_torchao_import():
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     if cfg.recipe == "tensorwise":
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=weights_sharded)
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=weights_sharded and not in_graph)
     else:  # rowwise all-gathers in bf16 whatever the mesh
         config = Float8LinearConfig.from_recipe_name("rowwise")
     config = replace(config, emulate=cfg.emulate)
@@ -215,6 +217,7 @@ def apply_float8(
         logger.info(line)
     if cfg.recipe == "tensorwise" and chosen:
         gather = "float8" if weights_sharded else "none (dp_shard x cp = 1: nothing to gather)"
+        gather += " (inside the compiled graph)" if in_graph and weights_sharded else ""
         logger.info("fp8: all-gather of converted weights: %s", gather)
     return decisions
 

@@ -121,12 +121,21 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def fsdp_and_tp_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
     """The mesh handed to fully_shard, and the one tensor parallel splits over, from one root
     (FSDP2 joins the two into one mesh for a TP DTensor and refuses meshes of two roots).
+    `fsdp_meshes` has both, and their join."""
+    dp, tp, _ = fsdp_meshes(mesh)
+    return dp, tp
+
+
+def fsdp_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
+    """(fully_shard's mesh, tensor parallel's, and the two joined with tp last: the mesh of a
+    weight that both split, as FSDP2 makes it), all from one root.
 
     fully_shard's mesh is 1D (FSDP) unless there are replicas (HSDP). Context parallel's ranks
     hold the same weights and see different tokens, exactly as data-parallel ranks do: FSDP
     shards over dp_shard x cp (and reduces gradients over both), a dimension made here (new
     process groups: every rank calls this once, at the same point)."""
     replicas, cp = mesh["dp_replicate"].size(), mesh["cp"].size()
+    dp_names = ("dp_replicate", "dp_shard") if replicas > 1 else ("dp_shard",)
     if cp > 1:
         # The same ranks as (dp_replicate, dp_shard, cp, tp) with the two middle dims as one
         # (cp is inner to dp_shard, so merging them keeps torchrun's rank order), built as a
@@ -136,12 +145,9 @@ def fsdp_and_tp_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
         names = ("dp_replicate", "dp_shard_cp", "tp")
         if (pp := pp_size(mesh)) > 1:  # the same for each stage's ranks
             shape, names = (pp, *shape), ("pp", *names)
-        merged = init_device_mesh(mesh.device_type, shape, mesh_dim_names=names)
-        dp = merged["dp_replicate", "dp_shard_cp"] if replicas > 1 else merged["dp_shard_cp"]
-        return dp, merged["tp"]
-    if replicas > 1:
-        return mesh["dp_replicate", "dp_shard"], mesh["tp"]
-    return mesh["dp_shard"], mesh["tp"]
+        mesh = init_device_mesh(mesh.device_type, shape, mesh_dim_names=names)
+        dp_names = ("dp_replicate", "dp_shard_cp") if replicas > 1 else ("dp_shard_cp",)
+    return mesh[dp_names], mesh["tp"], mesh[(*dp_names, "tp")]
 
 
 def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:

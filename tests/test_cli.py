@@ -167,9 +167,9 @@ def test_settings_that_have_no_effect_in_a_config_file_are_warned_about(
 def test_graph_buckets_without_graph_and_pipeline_settings_at_pp_1_are_warned_about(
     tiny_dataset: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """compile.bucket_mb sizes compile.fsdp='graph''s buckets, [parallel.pipeline] how pp > 1
-    runs its stages: changed from their defaults without those, one warning each among a dry
-    run's first lines, naming what would read them. With them, nothing is said."""
+    """compile.bucket_mb sizes compile.fsdp='graph''s buckets (Inductor's), [parallel.pipeline]
+    how pp > 1 runs its stages: changed from their defaults without those, one warning each
+    among a dry run's first lines, naming what would read them. With them, nothing is said."""
     from configs import parse_config
     from launch.check import unintended_settings
     from launch.job import JobConfig
@@ -182,12 +182,18 @@ def test_graph_buckets_without_graph_and_pipeline_settings_at_pp_1_are_warned_ab
         assert train.main(argv) == 0
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
         "compile.bucket_mb=64.0 has no effect with compile.fsdp='hooks': it sizes the collective "
-        "buckets of compile.fsdp='graph' only (FSDP2's hooks gather a whole unit at once)",
+        "buckets Inductor makes under compile.fsdp='graph' only (FSDP2's hooks gather a whole "
+        "unit at once)",
         "parallel.pipeline.schedule='gpipe', parallel.pipeline.split=[1, 1] have no effect with "
         "parallel.pp=1: [parallel.pipeline] sets how parallel.pp > 1 runs its stages",
     ]
     job = parse_config(JobConfig, [*argv, "--compile.fsdp=graph", "--parallel.pp=2"])
     assert unintended_settings(job) == []
+    job = parse_config(JobConfig, [*argv, "--compile.fsdp=graph", "--parallel.pp=2",
+                                   "--compile.backend=aot_eager"])  # fmt: skip
+    assert [w.split(":")[0] for w in unintended_settings(job)] == [
+        "compile.bucket_mb=64.0 has no effect with compile.backend='aot_eager'"
+    ]
 
 
 @pytest.mark.slow

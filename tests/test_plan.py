@@ -61,11 +61,12 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
     sent: dict[tuple[str, str], float] = {}
     build_mesh, build_optimizer = train.build_mesh, train.build_optimizer
     build_expert_mesh = train.build_expert_mesh
-    fsdp_and_tp_meshes = parallel.build.fsdp_and_tp_meshes
+    fsdp_meshes = parallel.build.fsdp_meshes
 
     def dp_mesh_spy(mesh: Any) -> Any:  # FSDP's mesh: with cp, dp_shard x cp made anew
-        captured["dp_mesh"], tp_mesh = fsdp_and_tp_meshes(mesh)
-        return captured["dp_mesh"], tp_mesh
+        meshes = fsdp_meshes(mesh)
+        captured["dp_mesh"] = meshes[0]
+        return meshes
 
     def mesh_spy(*args: Any) -> Any:
         captured["mesh"] = build_mesh(*args)
@@ -136,7 +137,7 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
 
     train.build_mesh, train.build_optimizer = mesh_spy, optimizer_spy
     train.build_expert_mesh = expert_mesh_spy
-    parallel.build.fsdp_and_tp_meshes = dp_mesh_spy
+    parallel.build.fsdp_meshes = dp_mesh_spy
     for name in originals:
         setattr(dist, name, spy(name))
     # parallel/cp.py picked its collectives (torch 2.13's names or the older ones) at import.
@@ -150,7 +151,7 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
             setattr(dist, name, fn)
         train.build_mesh, train.build_optimizer = build_mesh, build_optimizer
         train.build_expert_mesh = build_expert_mesh
-        parallel.build.fsdp_and_tp_meshes = fsdp_and_tp_meshes
+        parallel.build.fsdp_meshes = fsdp_meshes
         for attr, fn in cp_collectives.items():
             setattr(cp, attr, fn)
     return {"sent": sent, "state": captured["state"]}

@@ -1,0 +1,157 @@
+"""compile.fsdp='graph' composed with tensor parallel, pipeline stages and float8
+(parallel/graph_fsdp.py): the one-process run on each mesh, and checkpoints that cross between
+the graph and FSDP2's hooks both ways.
+
+Each mesh trains one chain in one spawn of its ranks (tests/test_pp.py `train_many`): eager
+FSDP2 for 6 steps, saving every 2; the graph path resumed from eager's step 2, to step 6,
+saving every 2; eager again, resumed from the graph's step 4. The graph's steps 3-6 and the
+last run's steps 5-6 must be the one-process run's (float32, 1e-5; float8: eager float8 on the
+same mesh, within the float8 tests' tolerance), so each path reads the other's checkpoint as
+its own. The graph is compiled with `aot_eager`: Dynamo, AOTAutograd and the collectives in
+the graph as with Inductor, without generating kernels (a third of the time); Inductor's own
+passes over these graphs (buckets, resharding) are tests/test_graph_fsdp.py's, and the drills
+run the compositions under Inductor.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.test_pp import train_many
+from tests.test_train import FP32, TINY, train_losses
+
+GRAPH = ["--compile.enabled=true", "--compile.fsdp=graph", "--compile.backend=aot_eager"]
+INDUCTOR = ["--compile.enabled=true", "--compile.fsdp=graph"]
+CHAIN = ["--train.steps=6", "--train.micro_batch_size=1", "--checkpoint.interval=2",
+         "--checkpoint.keep_last=0", "--data.attention_mask=document"]  # fmt: skip
+FP8 = ["--fp8.enabled=true", "--fp8.emulate=true", "--fp8.filter=none"]
+MESHES = {  # world, mesh flags
+    "dp2_tp2": (4, ["--parallel.tp=2"]),
+    "pp2_dp2_interleaved": (4, ["--parallel.pp=2", "--parallel.pipeline.schedule=interleaved_1f1b",
+                                "--model.n_layers=4", "--model.tie_embeddings=true"]),
+    "fp8_dp2": (2, FP8),
+    # Drills: HSDP with tp (8 ranks), pp with tp, float8 with tp, and Inductor's kernels.
+    "hsdp2x2_tp2": (8, ["--parallel.dp_replicate=2", "--parallel.tp=2"]),
+    "pp2_dp2_tp2": (8, ["--parallel.pp=2", "--parallel.tp=2", "--model.n_layers=4"]),
+    "fp8_dp2_tp2": (4, [*FP8, "--parallel.tp=2"]),
+}  # fmt: skip
+
+
+def argv(dataset: str, out: Path, name: str, *extra: str) -> list[str]:
+    return [f"--data.path={dataset}", f"--run.output_dir={out}", f"--run.name={name}",
+            *TINY, *FP32, *CHAIN, *extra]  # fmt: skip
+
+
+def chain(dataset: str, out: Path, mesh: str, graph: list[str]) -> dict[str, Any]:
+    """The module docstring's three runs on `mesh`'s ranks, and the reference: the
+    one-process run (float8: eager on the mesh, the chain's first run); "graph_sent": what
+    rank 0's all-gathers sent in the graph's run (`train_counted`)."""
+    world, flags = MESHES[mesh]
+    step = out / "{}" / "checkpoints" / "step-{}"
+    runs = {
+        "eager": argv(dataset, out, f"{mesh}-eager", *flags),
+        "graph": argv(dataset, out, f"{mesh}-graph", *flags, *graph,
+                      f"--checkpoint.resume={str(step).format(f'{mesh}-eager', 2)}"),
+        "back": argv(dataset, out, f"{mesh}-back", *flags,
+                     f"--checkpoint.resume={str(step).format(f'{mesh}-graph', 4)}"),
+    }  # fmt: skip
+    got, sent = run_distributed(train_counted, world, list(runs.values()), str(out),
+                                timeout=900)[0]  # fmt: skip
+    losses = dict(zip(runs, got, strict=True)) | {"graph_sent": sent[1]}
+    if "fp8.enabled=true" in " ".join(flags):
+        losses["reference"] = losses["eager"]
+    else:
+        model = [f for f in flags if f.startswith("--model.")]
+        one = argv(dataset, out, f"{mesh}-one", *model)
+        losses["reference"] = run_distributed(train_losses, 1, one)[0]
+    return losses
+
+
+def assert_chain(losses: dict[str, list[float]], rtol: float, atol: float) -> None:
+    want = torch.tensor(losses["reference"])
+    for run, first in (("eager", 0), ("graph", 2), ("back", 4)):
+        got = torch.tensor(losses[run])
+        torch.testing.assert_close(got, want[first:], rtol=rtol, atol=atol, msg=run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [
+    "dp2_tp2",
+    "pp2_dp2_interleaved",
+    pytest.param("hsdp2x2_tp2", marks=pytest.mark.drill),
+    pytest.param("pp2_dp2_tp2", marks=pytest.mark.drill),
+])  # fmt: skip
+def test_graph_with_tp_and_pp_is_the_one_process_run(
+    short_docs: str, tmp_path: Path, mesh: str
+) -> None:
+    """Float32, 6 steps of 4 micro-batches a rank, document masking: FSDP 2 x tp 2 (each
+    weight a DTensor on (dp_shard, tp) with FSDP2's placements, its tp part gathered in the
+    graph), pp 2 x FSDP 2 with interleaved 1F1B and tied embeddings (each stage its own graph),
+    and in the drills HSDP 2 x 2 x tp 2 and pp 2 x FSDP 2 x tp 2: the graph's losses and those
+    of eager resumed from its checkpoint equal one process within 1e-5."""
+    assert_chain(chain(short_docs, tmp_path, mesh, GRAPH), rtol=0, atol=1e-5)
+
+
+def train_counted(argvs: list[list[str]], folder: str) -> tuple[list[list[float]], list]:
+    """tests/test_pp.py's train_many, each training loop under the profiler (not the build:
+    the profiler keeps references that stop `to_empty` swapping the parameters): each run's
+    losses, and the sizes of what this rank's gloo all-gathers sent in it, by element type:
+    Counter({(type, elements): calls})."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import train as trainer
+
+    loop, sent = trainer.loop, []
+
+    def profiled(*args: Any, **kwargs: Any) -> Any:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            result = loop(*args, **kwargs)
+        sent.append(Counter())
+        for event in prof.profiler.kineto_results.events():  # these have the input types
+            if event.name() == "gloo:all_gather" and event.shapes():
+                numel = int(torch.tensor(event.shapes()[0]).prod())
+                sent[-1][(event.dtypes()[0], numel)] += 1
+        return result
+
+    trainer.loop = profiled
+    try:
+        return train_many(argvs, folder), sent
+    finally:
+        trainer.loop = loop
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["fp8_dp2", pytest.param("fp8_dp2_tp2", marks=pytest.mark.drill)])
+def test_graph_gathers_float8_weights_and_is_the_eager_float8_run(
+    short_docs: str, tmp_path: Path, mesh: str
+) -> None:
+    """Float8 (emulated, tensorwise, every Linear but the output): the graph's losses and those
+    of eager resumed from its checkpoint are eager FSDP2's with float8 on the same mesh, within
+    the float8 tests' tolerance (the drill: with tp 2 too). What the graph gathers of a
+    converted weight is its float8 bytes (1 per element, sent as uint8: gloo has no float8),
+    never its float32 values; the other weights cross in float32."""
+    from model import ModelConfig, llama
+
+    losses = chain(short_docs, tmp_path, mesh, GRAPH)
+    assert_chain(losses, rtol=1e-3, atol=0)
+    if mesh != "fp8_dp2":
+        return
+    tiny = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512)
+    converted, other = set(), set()  # shard sizes (elements) on 2 ranks
+    for name, module in llama.build_model(llama.build_args(tiny)).named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            shard = -(-p.shape[0] // 2) * p[0].numel()
+            linear = isinstance(module, torch.nn.Linear) and not name.startswith("output")
+            (converted if linear and pname == "weight" else other).add(shard)
+    assert converted and not converted & other  # each size names its kind
+    by_type: dict[str, set[int]] = {}
+    for kind, numel in losses["graph_sent"]:
+        by_type.setdefault(kind, set()).add(numel)
+    assert by_type.get("unsigned char") == converted, (by_type, converted)
+    assert by_type.get("float", set()) == other, (by_type, other)
