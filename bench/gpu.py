@@ -199,6 +199,47 @@ SUITES = {
             "bf16 compile graph": [*COMPILE, "--compile.fsdp=graph"],
         },
     },
+    # Issue #56 (compile.fsdp="graph" composed): tensor parallel and pipeline stages need 2 or
+    # more GPUs (one rank per GPU, all of them on tp, or on pp); the graph against per-block
+    # compile with FSDP2's hooks on the same mesh, bf16 and fp8 (fp8 with the graph on one GPU
+    # is bench/gpu_lease.sh part1's ours-8b8-fp8-x). Targets: the graph's tok/s at least the
+    # hooks', its reserved memory below theirs (as at dp_shard 1 without tp: -4.4 GiB).
+    "graph-tp": {
+        "model": ["--model.flavor=8B", "--model.n_layers=8", "--model.vocab_size=2048", *SEQ],
+        "all_gpus": True,
+        "split": "--parallel.tp",
+        "baseline": "bf16 compile tp",
+        "cases": {
+            "bf16 compile tp": COMPILE,
+            "bf16 compile tp graph": [*COMPILE, "--compile.fsdp=graph"],
+            "fp8 compile tp": [*COMPILE, *FP8],
+            "fp8 compile tp graph": [*COMPILE, *FP8, "--compile.fsdp=graph"],
+        },
+    },
+    "graph-pp": {
+        "model": [
+            "--model.flavor=1B",
+            *SEQ,
+            "--train.micro_batch_size=1",
+            "--train.global_batch_size=16",
+            *COMPILE,
+        ],  # fmt: skip
+        "all_gpus": True,
+        "split": "--parallel.pp",
+        "baseline": "bf16 compile 1f1b",
+        "cases": {
+            "bf16 compile 1f1b": ["--parallel.pipeline.schedule=1f1b"],
+            "bf16 compile 1f1b graph": [
+                "--parallel.pipeline.schedule=1f1b",
+                "--compile.fsdp=graph",
+            ],  # fmt: skip
+            "bf16 compile interleaved 1f1b graph": [
+                "--parallel.pipeline.schedule=interleaved_1f1b",
+                "--compile.fsdp=graph",
+            ],
+        },
+        "smoke": ["--train.micro_batch_size=1", "--train.global_batch_size=4"],
+    },
     # Issue #34 (context parallel): one sequence of 32k or 64k tokens per step split over all
     # the visible GPUs (parallel.cp = GPUs, one data-parallel rank; FSDP over the cp ranks), the
     # 1B flavor at its vocabulary of 128,256, compiled, full AC, without and with the chunked

@@ -5,7 +5,8 @@
 #
 #   bash bench/gpu_lease.sh part1 [BUDGET_S]   # side by side with torchtitan: 8B blocks x 8
 #                                              # bf16 (FSDP2's hooks, and compile.fsdp=graph as
-#                                              # ours-8b8-x) and fp8, 1B bf16 (.gpu/titan/run.sh)
+#                                              # ours-8b8-x) and fp8 (graph: ours-8b8-fp8-x),
+#                                              # 1B bf16 (.gpu/titan/run.sh)
 #   bash bench/gpu_lease.sh part2 [BUDGET_S]   # tests/test_gpu.py, then bench/gpu.py: graph
 #                                              # FSDP, document masking (profiled), chunked
 #                                              # loss, Muon, LoRA in fp8 (P2_SUITES, P2_CASES)
@@ -53,7 +54,7 @@ case "$part" in
       OURS_EXTRA="--metrics.profile_step=30 ${OURS_EXTRA:-}" \
       OURS_X=${OURS_X:---compile.fsdp=graph} \
       bash .gpu/titan/run.sh ${CASES:-titan-8b8 ours-8b8 ours-8b8-x ours-8b8-fp8 titan-1b ours-1b \
-        titan-8b8-fp8}
+        titan-8b8-fp8 ours-8b8-fp8-x}
     kernel_tables "$work"
     ;;
   part2|smoke)

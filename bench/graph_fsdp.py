@@ -3,6 +3,8 @@ collectives of one compiled step, on 4 gloo ranks.
 
     python bench/graph_fsdp.py --data outputs/data/stdlib          # ~15 min on 2 cores
     python bench/graph_fsdp.py --data DIR --steps 6 --cases eager graph
+    python bench/graph_fsdp.py --data DIR --cases blocks-tp2 graph-tp2 blocks-fp8 graph-fp8 \
+        blocks-pp2 graph-pp2 --buckets          # the compositions, ~20 min on 2 cores
 
 Each case trains configs/debug.toml's model (fp32, dim 256, 6 blocks, vocab 512; 8 x 256
 tokens a step, 2 per rank) in the trainer itself, on 4 ranks spawned as tests/distributed.py
@@ -41,6 +43,14 @@ CASES = {
     # About one block of this model in float32 (3.4 MB): FSDP2's unit, as a byte budget.
     "graph-4mb": [*GRAPH, "--compile.bucket_mb=4"],
 }
+# The compositions (issue 56), each against per-block compile with FSDP2's hooks on the same
+# 4 ranks, at one block's bucket: FSDP 2 x tp 2, float8 (emulated: CPU has no float8 matmul,
+# so its step time says nothing of a GPU's), pp 2 x FSDP 2 (1F1B, 8 micro-batches of 1).
+FP8 = ["--fp8.enabled=true", "--fp8.emulate=true", "--fp8.filter=none"]
+PP = ["--parallel.pp=2", "--train.micro_batch_size=1"]
+for name, flags in {"tp2": ["--parallel.tp=2"], "fp8": FP8, "pp2": PP}.items():
+    CASES[f"blocks-{name}"] = [*CASES["blocks"], *flags]
+    CASES[f"graph-{name}"] = [*CASES["graph-4mb"], *flags]
 
 
 def timed_training(argv: list[str]) -> dict[str, Any]:
@@ -111,7 +121,7 @@ def main() -> int:
     p.add_argument("--data", required=True, help="a prepared dataset (python -m data.prepare)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    p.add_argument("--buckets", nargs="+", type=float, default=[0.0, 4.0, 500.0])
+    p.add_argument("--buckets", nargs="*", type=float, default=[0.0, 4.0, 500.0])
     p.add_argument("--out", type=Path, default=Path("outputs/bench/graph_fsdp.json"))
     args = p.parse_args()
     from tests.distributed import run_distributed

@@ -61,6 +61,7 @@ from parallel.graph_fsdp import check_graph_fsdp
 from parallel.loss import check_chunked_loss
 from parallel.muon import MuonConfig, check_muon
 from parallel.plan import (
+    GraphBuckets,
     ModelShape,
     graph_buckets,
     model_shape,
@@ -469,12 +470,17 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     print(config_to_toml(job))
     shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
     muon = job.optim.muon.ns_dtype if job.optim.name == "muon" else None
-    pipelined, graph = plan.pp > 1, job.compile.fsdp == "graph"  # graph: refused with pp > 1
+    pipelined, graph = plan.pp > 1, job.compile.fsdp == "graph"
     p = job.parallel
-    buckets = graph_buckets(shape, plan.dp_shard * plan.cp, p.param_dtype, p.reduce_dtype,
-                            job.compile.bucket_mb) if graph else None  # fmt: skip
+
+    def buckets_of(shape: ModelShape) -> GraphBuckets | None:  # a pp stage's are its own
+        return graph_buckets(shape, plan.dp_shard * plan.cp, p.param_dtype, p.reduce_dtype,
+                             job.compile.bucket_mb, plan.tp) if graph else None  # fmt: skip
+
+    buckets = buckets_of(shape)
 
     def memory(shape: ModelShape, last: bool = True) -> dict[str, float]:
+        buckets = buckets_of(shape)
         mem = plan_memory(
             shape,
             plan.dp_shard,

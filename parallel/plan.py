@@ -494,8 +494,9 @@ def plan_memory(
     largest = sorted((u.tp_numel(tp, ep) for u in units[:-1]), reverse=True)
     gathered_blocks = sum(largest[: max(kept, min(2, n_blocks))])
     gathered = (root + gathered_blocks) * pbytes
-    if graph_bucket_bytes is not None:
-        whole = sum(u.tp_numel(tp, ep) for u in units) * pbytes
+    if graph_bucket_bytes is not None:  # float8-gathered weights held as 1 byte per element
+        whole = sum(u.shard_numel(1, True, tp) + u.shard_numel(1, False, tp) * pbytes
+                    for u in units)  # fmt: skip
         never = reshard_after_forward == "never"
         gathered = whole if never else min(whole, 2 * graph_bucket_bytes)
     # A chunked loss (train.loss_chunk_tokens, parallel/loss.py) holds one chunk's logits.
@@ -539,18 +540,22 @@ def graph_buckets(
     param_dtype: str = "bfloat16",
     reduce_dtype: str = "float32",
     bucket_mb: float = 500.0,
+    tp: int = 1,
 ) -> GraphBuckets:
     """Inductor's FSDP bucketing as torch.fx_passes.bucketing does it: collectives in graph
     order (the units' parameters, in order), each added to the open bucket while the bucket
     stays within `bucket_mb` MiB (its gathered, padded size), else opening the next; 0 MiB: one
     per parameter. The gradients come in the reverse order, in `reduce_dtype`, trainable only.
-    A tied weight is gathered twice in forward (once per use) but counted once here."""
+    A tied weight is gathered twice in forward (once per use) but counted once here. At tp > 1
+    a split weight gathers its tp part; a float8-gathered weight crosses as 1 byte per element
+    (its gradient in `reduce_dtype`)."""
     cap = bucket_mb * 2**20
-    sizes = [
-        (math.ceil(s[0] / dp_shard) * dp_shard * math.prod(s[1:]), trains)
-        for u in shape.units
-        for s, trains in zip(u.shapes, u._trains(), strict=True)
-    ]
+    sizes = []  # (gathered elements, bytes per gathered element, trains)
+    for u in shape.units:
+        split = u.tp_split or (False,) * len(u.shapes)
+        for s, trains, f8, t in zip(u.shapes, u._trains(), u.float8_gathered, split, strict=True):
+            n = math.ceil(s[0] / dp_shard) * dp_shard * math.prod(s[1:]) // (tp if t else 1)
+            sizes.append((n, 1 if f8 else BYTES[param_dtype], trains))
 
     def pack(nbytes: list[int]) -> list[int]:
         buckets: list[int] = []
@@ -561,6 +566,6 @@ def graph_buckets(
                 buckets.append(n)
         return buckets
 
-    gathered = pack([n * BYTES[param_dtype] for n, _ in sizes])
-    grads = pack([n * BYTES[reduce_dtype] for n, trains in reversed(sizes) if trains])
+    gathered = pack([n * nbytes for n, nbytes, _ in sizes])
+    grads = pack([n * BYTES[reduce_dtype] for n, _, trains in reversed(sizes) if trains])
     return GraphBuckets(gathered, grads)

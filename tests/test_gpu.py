@@ -209,6 +209,24 @@ def test_graph_fsdp_matches_eager_fsdp2_on_one_gpu(short_docs: str, tmp_path: Pa
         torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=rtol, atol=0)
 
 
+@needs_gpu
+def test_graph_fsdp_with_float8_matches_eager_fsdp2_on_one_gpu(
+    short_docs: str, tmp_path: Path
+) -> None:
+    """compile.fsdp='graph' with fp8 (torchao's float8 matmuls, tensorwise, every Linear but the
+    output; dp_shard 1: each converted weight cast to float8 inside the graph with its whole
+    scale) over 6 steps of bf16 within the eager bf16 test's 5e-3 of eager FSDP2 with fp8."""
+    argv = [
+        f"--data.path={short_docs}", f"--run.output_dir={tmp_path}", *TINY,
+        "--parallel.device=cuda", "--train.steps=6", "--train.micro_batch_size=4",
+        "--fp8.enabled=true", "--fp8.filter=none", "--parallel.param_dtype=bfloat16",
+    ]  # fmt: skip
+    eager = run_distributed(train_losses, 1, [*argv, "--run.name=eager"])[0]
+    graph = ["--compile.enabled=true", "--compile.fsdp=graph", "--run.name=graph"]
+    compiled = run_distributed(train_losses, 1, [*argv, *graph], timeout=600)[0]
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=5e-3, atol=0)
+
+
 def test_cuda_memory_peaks_are_those_of_the_interval_since_the_last_log(monkeypatch) -> None:
     """torchtitan's rule, so that the two trainers' peaks after warm-up read alike: each read of
     the allocator's peaks starts a new interval."""

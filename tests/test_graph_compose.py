@@ -15,6 +15,7 @@ run the compositions under Inductor.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from parallel.plan import graph_buckets
 from tests.distributed import run_distributed
 from tests.test_pp import train_many
 from tests.test_train import FP32, TINY, train_losses
@@ -81,49 +83,67 @@ def assert_chain(losses: dict[str, list[float]], rtol: float, atol: float) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [
-    "dp2_tp2",
-    "pp2_dp2_interleaved",
-    pytest.param("hsdp2x2_tp2", marks=pytest.mark.drill),
-    pytest.param("pp2_dp2_tp2", marks=pytest.mark.drill),
+@pytest.mark.parametrize("mesh, graph", [
+    ("dp2_tp2", GRAPH),
+    ("pp2_dp2_interleaved", GRAPH),
+    pytest.param("hsdp2x2_tp2", GRAPH, marks=pytest.mark.drill),
+    pytest.param("pp2_dp2_tp2", GRAPH, marks=pytest.mark.drill),
+    pytest.param("dp2_tp2", INDUCTOR, marks=pytest.mark.drill, id="dp2_tp2-inductor"),
+    pytest.param("pp2_dp2_interleaved", INDUCTOR, marks=pytest.mark.drill,
+                 id="pp2_dp2_interleaved-inductor"),
 ])  # fmt: skip
 def test_graph_with_tp_and_pp_is_the_one_process_run(
-    short_docs: str, tmp_path: Path, mesh: str
+    short_docs: str, tmp_path: Path, mesh: str, graph: list[str]
 ) -> None:
     """Float32, 6 steps of 4 micro-batches a rank, document masking: FSDP 2 x tp 2 (each
     weight a DTensor on (dp_shard, tp) with FSDP2's placements, its tp part gathered in the
     graph), pp 2 x FSDP 2 with interleaved 1F1B and tied embeddings (each stage its own graph),
-    and in the drills HSDP 2 x 2 x tp 2 and pp 2 x FSDP 2 x tp 2: the graph's losses and those
-    of eager resumed from its checkpoint equal one process within 1e-5."""
-    assert_chain(chain(short_docs, tmp_path, mesh, GRAPH), rtol=0, atol=1e-5)
+    and in the drills HSDP 2 x 2 x tp 2, pp 2 x FSDP 2 x tp 2 and the first two under
+    Inductor: the graph's losses and those of eager resumed from its checkpoint equal one
+    process within 1e-5."""
+    losses = chain(short_docs, tmp_path, mesh, graph)
+    assert_chain(losses, rtol=0, atol=1e-5)
+    flags = MESHES[mesh][1]
+    if "--parallel.pp=2" in flags or graph == INDUCTOR:  # pp: rank 0 gathers its stages only
+        return
+    # Every weight crossed as the planner's tp-aware term says (bucket_mb=0: one bucket each);
+    # tp's own all-gathers of activations cross too.
+    shape = planned_shape(argv(short_docs, tmp_path, mesh, *flags))
+    planned = set(graph_buckets(shape, 2, "float32", "float32", 0.0, tp=2).all_gather)
+    sent = {n * 2 * 4 for kind, n in losses["graph_sent"] if kind == "float"}
+    assert planned <= sent, (planned - sent, sent)
 
 
 def train_counted(argvs: list[list[str]], folder: str) -> tuple[list[list[float]], list]:
-    """tests/test_pp.py's train_many, each training loop under the profiler (not the build:
-    the profiler keeps references that stop `to_empty` swapping the parameters): each run's
-    losses, and the sizes of what this rank's gloo all-gathers sent in it, by element type:
-    Counter({(type, elements): calls})."""
+    """tests/test_pp.py's train_many with each training step under the profiler (not the
+    build, whose `to_empty` cannot swap parameters the profiler holds; not the checkpoints,
+    whose metadata crosses by all-gather too): each run's losses, and the sizes of what this
+    rank's gloo all-gathers sent in its steps, by element type: Counter({(type, elements):
+    calls})."""
     from torch.profiler import ProfilerActivity, profile
 
     import train as trainer
 
-    loop, sent = trainer.loop, []
+    step, sent = trainer.train_step, []
 
     def profiled(*args: Any, **kwargs: Any) -> Any:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            result = loop(*args, **kwargs)
-        sent.append(Counter())
+            result = step(*args, **kwargs)
         for event in prof.profiler.kineto_results.events():  # these have the input types
             if event.name() == "gloo:all_gather" and event.shapes():
                 numel = int(torch.tensor(event.shapes()[0]).prod())
                 sent[-1][(event.dtypes()[0], numel)] += 1
         return result
 
-    trainer.loop = profiled
+    def run(argv: list[str]) -> list[float]:
+        sent.append(Counter())
+        return train_losses(argv)
+
+    trainer.train_step = profiled
     try:
-        return train_many(argvs, folder), sent
+        return train_many(argvs, folder, run), sent
     finally:
-        trainer.loop = loop
+        trainer.train_step = step
 
 
 @pytest.mark.slow
@@ -136,22 +156,33 @@ def test_graph_gathers_float8_weights_and_is_the_eager_float8_run(
     the float8 tests' tolerance (the drill: with tp 2 too). What the graph gathers of a
     converted weight is its float8 bytes (1 per element, sent as uint8: gloo has no float8),
     never its float32 values; the other weights cross in float32."""
-    from model import ModelConfig, llama
-
     losses = chain(short_docs, tmp_path, mesh, GRAPH)
     assert_chain(losses, rtol=1e-3, atol=0)
     if mesh != "fp8_dp2":
         return
-    tiny = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512)
-    converted, other = set(), set()  # shard sizes (elements) on 2 ranks
-    for name, module in llama.build_model(llama.build_args(tiny)).named_modules():
-        for pname, p in module.named_parameters(recurse=False):
-            shard = -(-p.shape[0] // 2) * p[0].numel()
-            linear = isinstance(module, torch.nn.Linear) and not name.startswith("output")
-            (converted if linear and pname == "weight" else other).add(shard)
-    assert converted and not converted & other  # each size names its kind
+    shape = planned_shape(argv(short_docs, tmp_path, mesh, *FP8))
+    f8 = {n: f for u in shape.units for n, f in zip(u.shapes, u.float8_gathered, strict=True)}
+    assert any(f8.values()) and not all(f8.values())
     by_type: dict[str, set[int]] = {}
     for kind, numel in losses["graph_sent"]:
-        by_type.setdefault(kind, set()).add(numel)
+        by_type.setdefault(kind, set()).add(numel * 2)  # gathered: 2 ranks' shards
+    converted = {math.prod(s) for s, f in f8.items() if f}
     assert by_type.get("unsigned char") == converted, (by_type, converted)
-    assert by_type.get("float", set()) == other, (by_type, other)
+    assert not by_type.get("float", set()) & converted, (by_type, converted)
+    # The planner's gathered bytes per parameter (parallel/plan.py, bucket_mb=0: one bucket
+    # each) are what crossed: 1 byte per float8 element, 4 per float32 one.
+    sent = {n * (1 if kind == "unsigned char" else 4) for kind, n in losses["graph_sent"]}
+    planned = graph_buckets(shape, 2, "float32", "float32", 0.0).all_gather
+    assert {2 * n for n in sent} == set(planned)
+
+
+def planned_shape(argv: list[str]) -> Any:
+    """The planner's ModelShape of the run `argv` configures."""
+    from configs import parse_config
+    from launch.job import JobConfig
+    from model import get_family
+    from parallel.plan import model_shape
+
+    job = parse_config(JobConfig, argv)
+    family = get_family(job.model.name)
+    return model_shape(family, family.build_args(job.model), job.fp8, job.lora, job.train.freeze)

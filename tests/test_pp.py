@@ -43,11 +43,13 @@ PP_SHAPE = ["--model.n_layers=4", "--model.tie_embeddings=true", "--train.steps=
 DEFAULT = ModelConfig().name
 
 
-def train_many(argvs: list[list[str]], folder: str) -> list[list[float]]:
-    """Train each argv in turn in this rank, each in a process group of its own: on a port that
-    rank 0 finds free just before the run and hands the others through `folder` (a second
-    group on the first one's store would wait forever; ports chosen all at once may be taken
-    by the time a later run starts)."""
+def train_many(
+    argvs: list[list[str]], folder: str, train: Callable[[list[str]], Any] | None = None
+) -> list[Any]:
+    """Train each argv in turn in this rank (with `train`, default train_losses), each in a
+    process group of its own: on a port that rank 0 finds free just before the run and hands
+    the others through `folder` (a second group on the first one's store would wait forever;
+    ports chosen all at once may be taken by the time a later run starts)."""
     import os
     import time
 
@@ -63,7 +65,7 @@ def train_many(argvs: list[list[str]], folder: str) -> list[list[float]]:
         while not note.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         os.environ["MASTER_PORT"] = note.read_text()
-        losses.append(train_losses(argv))
+        losses.append((train or train_losses)(argv))
     return losses
 
 
