@@ -186,3 +186,37 @@ def planned_shape(argv: list[str]) -> Any:
     job = parse_config(JobConfig, argv)
     family = get_family(job.model.name)
     return model_shape(family, family.build_args(job.model), job.fp8, job.lora, job.train.freeze)
+
+
+def test_planner_counts_the_composed_graphs_gathers(
+    short_docs: str, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The planner's graph terms (parallel/plan.py): a float8-gathered weight's bucket bytes
+    are half its bf16 ones and its gradient's the same; at tp 2 a split weight gathers half
+    its elements, a replicated one all; with 'never' the gathered weights held are the whole
+    model at those sizes. A dry run plans pp 2 x FSDP 2 x tp 2 with float8 under the graph."""
+    import train
+    from parallel.plan import plan_memory
+
+    base = argv(short_docs, tmp_path, "plan")
+    plain, f8 = planned_shape(base), planned_shape([*base, *FP8])
+    b16, b8 = (graph_buckets(s, 2, "bfloat16", "float32", 0.0) for s in (plain, f8))
+    flags = [f for u in f8.units for f in u.float8_gathered]
+    assert any(flags) and not all(flags)
+    for half, whole, f in zip(b8.all_gather, b16.all_gather, flags, strict=True):
+        assert half == (whole // 2 if f else whole)
+    assert b8.reduce_scatter == b16.reduce_scatter
+    split = [t for u in plain.units for t in (u.tp_split or (False,) * len(u.shapes))]
+    tp2 = graph_buckets(plain, 2, "bfloat16", "float32", 0.0, tp=2).all_gather
+    assert any(split) and not all(split)
+    for part, whole, t in zip(tp2, b16.all_gather, split, strict=True):
+        assert part == (whole // 2 if t else whole)
+    held = plan_memory(f8, 2, 1, 32, "bfloat16", reshard_after_forward="never",
+                       graph_bucket_bytes=max(b8.all_gather))["gathered_params"]  # fmt: skip
+    assert held == sum(b8.all_gather)
+    dry = [*base, *FP8, "--parallel.pp=2", "--parallel.tp=2", "--model.n_layers=4",
+           "--compile.enabled=true", "--compile.fsdp=graph", "--dry-run"]  # fmt: skip
+    for name, value in (("WORLD_SIZE", "8"), ("LOCAL_WORLD_SIZE", "8")):  # planned, not run
+        monkeypatch.setenv(name, value)
+    assert train.main(dry) == 0
+    assert "# compile.fsdp='graph': per micro-batch" in capsys.readouterr().out
