@@ -30,7 +30,7 @@ from tests.test_train import FP32, TINY, train_losses
 
 GRAPH = ["--compile.enabled=true", "--compile.fsdp=graph", "--compile.backend=aot_eager"]
 INDUCTOR = ["--compile.enabled=true", "--compile.fsdp=graph"]
-CHAIN = ["--train.steps=6", "--train.micro_batch_size=1", "--checkpoint.interval=2",
+CHAIN = ["--train.steps=6", "--train.micro_batch_size=2", "--checkpoint.interval=2",
          "--checkpoint.keep_last=0", "--data.attention_mask=document"]  # fmt: skip
 FP8 = ["--fp8.enabled=true", "--fp8.emulate=true", "--fp8.filter=none"]
 MESHES = {  # world, mesh flags
@@ -84,10 +84,10 @@ def assert_chain(losses: dict[str, list[float]], rtol: float, atol: float) -> No
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, graph", [
-    ("dp2_tp2", GRAPH),
-    ("pp2_dp2_interleaved", GRAPH),
-    pytest.param("hsdp2x2_tp2", GRAPH, marks=pytest.mark.drill),
-    pytest.param("pp2_dp2_tp2", GRAPH, marks=pytest.mark.drill),
+    pytest.param("dp2_tp2", GRAPH, id="dp2_tp2"),
+    pytest.param("pp2_dp2_interleaved", GRAPH, id="pp2_dp2_interleaved"),
+    pytest.param("hsdp2x2_tp2", GRAPH, marks=pytest.mark.drill, id="hsdp2x2_tp2"),
+    pytest.param("pp2_dp2_tp2", GRAPH, marks=pytest.mark.drill, id="pp2_dp2_tp2"),
     pytest.param("dp2_tp2", INDUCTOR, marks=pytest.mark.drill, id="dp2_tp2-inductor"),
     pytest.param("pp2_dp2_interleaved", INDUCTOR, marks=pytest.mark.drill,
                  id="pp2_dp2_interleaved-inductor"),
@@ -95,7 +95,7 @@ def assert_chain(losses: dict[str, list[float]], rtol: float, atol: float) -> No
 def test_graph_with_tp_and_pp_is_the_one_process_run(
     short_docs: str, tmp_path: Path, mesh: str, graph: list[str]
 ) -> None:
-    """Float32, 6 steps of 4 micro-batches a rank, document masking: FSDP 2 x tp 2 (each
+    """Float32, 6 steps of 2 micro-batches a rank, document masking: FSDP 2 x tp 2 (each
     weight a DTensor on (dp_shard, tp) with FSDP2's placements, its tp part gathered in the
     graph), pp 2 x FSDP 2 with interleaved 1F1B and tied embeddings (each stage its own graph),
     and in the drills HSDP 2 x 2 x tp 2, pp 2 x FSDP 2 x tp 2 and the first two under
