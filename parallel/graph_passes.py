@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy
 
 
@@ -37,7 +38,10 @@ def inductor_options(bucket_mb: float, reshard_after_forward: str) -> dict[str, 
             if hasattr(comms, p)
         ]  # fmt: skip
     if hasattr(inductor, "joint_custom_post_pass"):
-        options["joint_custom_post_pass"] = _ReshardPolicy(reshard_after_forward != "never")
+        # The rank in its cache uuid: bucketed all-gathers bake it into the generated code
+        # (parallel/workarounds.py, workaround 5).
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        options["joint_custom_post_pass"] = _ReshardPolicy(reshard_after_forward != "never", rank)
     return options
 
 
@@ -59,12 +63,12 @@ class _ReshardPolicy:
     as an Inductor CustomGraphPass (`inductor_options`; not subclassed, since importing
     torch._inductor takes seconds) with a uuid, so that Inductor's compile cache can key it."""
 
-    def __init__(self, reshard: bool) -> None:
-        self.reshard = reshard
+    def __init__(self, reshard: bool, rank: int = 0) -> None:
+        self.reshard, self.rank = reshard, rank
         self.policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
 
     def uuid(self) -> str:
-        return f"fsdp2-trainer-graph-fsdp-reshard-{self.reshard}-1"
+        return f"fsdp2-trainer-graph-fsdp-reshard-{self.reshard}-rank-{self.rank}-2"
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         c10d = torch.ops._c10d_functional

@@ -36,6 +36,19 @@ The first two concern tensor parallel with compiled blocks, seen on torch 2.13 (
    in torch (pytorch/pytorch#196862) leaves profiler ops out of the count, and so does this
    workaround, adding them to torch's public `torch.utils.checkpoint.SAC_IGNORED_OPS`: they
    compute nothing.
+5. **A DeviceMesh's per-process hash in Inductor's cache key.** Under compile.fsdp="graph"
+   the compiled graph takes each DTensor weight's DeviceMesh as an input, and Inductor's FX
+   graph cache key pickles it with the hash DeviceMesh caches on itself (`_hash`, kept by its
+   `__getstate__`): a hash of the mesh's dim names (str hashes, randomized per process) and of
+   its `_thread_id` (None, whose hash on Python 3.11 is an address). So the key differs from
+   process to process and a restarted run never finds its graphs (measured: 4 of 4 FX graph
+   cache misses on the second run, 4 of 4 hits with this workaround; BENCHMARKS.md). No torch
+   issue was found; the fix would be `__getstate__` leaving `_hash` out, which this does: a
+   copyreg reducer that pickles a mesh without it (it is recomputed on first use). With the
+   key now the same on every rank of a host, the rank must enter it: bucketed all-gathers
+   bake `dist.get_rank()` into the code (pytorch/pytorch#188332; fix proposed in
+   pytorch/pytorch#191878), so graph FSDP's own pass carries the rank in its cache uuid
+   (parallel/graph_passes.py).
 """
 
 from __future__ import annotations
@@ -93,3 +106,20 @@ def sac_ignores_profiler_ranges() -> None:
     checkpoint.SAC_IGNORED_OPS.update(
         {ranges._record_function_enter_new.default, ranges._record_function_exit._RecordFunction}
     )
+
+
+def pickle_meshes_without_their_hash() -> None:
+    """Pickle every DeviceMesh without its cached, per-process `_hash` (workaround 5), so that
+    Inductor's cache keys of the graph FSDP path are the same in every process of a run.
+    Process-wide and idempotent; called by `apply_graph_fsdp`."""
+    import copyreg
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    copyreg.pickle(DeviceMesh, _mesh_without_hash)
+
+
+def _mesh_without_hash(mesh: DeviceMesh) -> Any:
+    reduced = mesh.__reduce_ex__(2)
+    state = dict(reduced[2]) | {"_hash": None}
+    return (reduced[0], reduced[1], state, *reduced[3:])

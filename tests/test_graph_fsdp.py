@@ -172,6 +172,44 @@ def test_checkpoints_move_between_paths_and_world_sizes(
         torch.testing.assert_close(graph[key], value, atol=1e-5, rtol=0, msg=key)
 
 
+def train_and_count_cache(argv: list[str]) -> tuple[list[float], dict[str, int]]:
+    """train_losses, and what this process's Inductor found in its FX graph cache."""
+    from torch._dynamo.utils import counters
+
+    losses = train_losses(argv)
+    return losses, {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")}
+
+
+@pytest.mark.slow
+def test_a_restart_finds_its_compiled_graphs(short_docs: str, tmp_path: Path) -> None:
+    """The one-block model compiled on FSDP 1x2, run twice, each time in a process tree of its
+    own (as a requeued job or an elastic restart starts it; ranks forked from one fork server
+    would share its hash seed and addresses, and hit even with the bug), with an Inductor cache
+    of its own: the second run finds every graph it compiles in the FX graph cache, on every
+    rank, and repeats the first's losses bitwise. Without parallel/workarounds.py's fifth
+    workaround every lookup misses (each process pickles its meshes with another hash)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    model = [f"--model.{k}={v}" for k, v in BUCKET_MODEL.items()]
+    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    results = []
+    for name in ("first", "restarted"):
+        args = argv(short_docs, tmp_path, name, *model, *GRAPH, "--train.steps=2",
+                    "--checkpoint.interval=0")  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "tests.test_graph_fsdp", json.dumps(args)],
+                              capture_output=True, text=True, timeout=900, env=env,
+                              check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    for (first, cold), (again, warm) in zip(*results, strict=True):
+        assert cold.get("fxgraph_cache_miss", 0) >= 2 and not cold.get("fxgraph_cache_hit"), cold
+        assert warm.get("fxgraph_cache_miss", 0) == 0 and warm["fxgraph_cache_hit"] >= 2, warm
+        assert again == first
+
+
 def count_collectives(code: list[str]) -> dict[str, int]:
     """All-gathers and reduce-scatters in Inductor's output code of one compiled step: calls
     of the functional collectives (one per bucket once bucketed)."""
@@ -378,3 +416,11 @@ def test_one_rank_gathers_and_reduces_nothing() -> None:
     assert weight.dtype == torch.bfloat16 and torch.equal(weight, full.to(torch.bfloat16))
     assert grad.dtype == torch.float32 and torch.equal(grad, upstream.float())
     assert not {name for name in calls if "div" in name or "gather" in name or "reduce" in name}
+
+
+if __name__ == "__main__":  # test_a_restart_finds_its_compiled_graphs: the restart's 2 ranks
+    import json
+    import sys
+
+    print(json.dumps(run_distributed(train_and_count_cache, 2, json.loads(sys.argv[1]),
+                                     timeout=600)))  # fmt: skip

@@ -10,6 +10,7 @@ the `aot_eager` backend: both bugs are in AOTAutograd, which it runs without Ind
 generation. tests/test_tp.py checks the trainer's own path, with Inductor. Workaround 3: one
 Linear on 2 gloo ranks (tests/test_moe_trainer.py checks the trainer's HSDP with EP).
 Workaround 4: the tiny qwen3_moe at ep 2 on 2 gloo ranks, built as the trainer builds it.
+Workaround 5: a one-rank DeviceMesh pickled (tests/test_graph_fsdp.py checks the restart).
 """
 
 from __future__ import annotations
@@ -237,3 +238,35 @@ def test_op_ac_miscounts_profiler_ranges_of_a_nested_unit() -> None:
     outcomes = run_distributed(op_ac_around_a_one_rank_unit, 2)[0]
     assert outcomes["with"] == "ok", outcomes["with"]
     still_needed("not found in storage" in outcomes["without"], "profiler ranges in op-level AC")
+
+
+def mesh_pickles() -> dict[str, bool]:
+    """On one rank: whether a DeviceMesh whose hash was taken pickles that hash, by torch's
+    own `__getstate__` and with workaround 5's reducer."""
+    import copyreg
+    import pickle
+
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from parallel.workarounds import pickle_meshes_without_their_hash
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    taken = hash(mesh)
+    torch_own = mesh.__getstate__().get("_hash") == taken
+    pickle_meshes_without_their_hash()
+    try:
+        kept = pickle.loads(pickle.dumps(mesh)).__dict__.get("_hash") == taken
+    finally:
+        copyreg.dispatch_table.pop(DeviceMesh, None)
+    torch.distributed.destroy_process_group()
+    return {"torch": torch_own, "workaround": kept}
+
+
+def test_a_mesh_pickles_its_per_process_hash() -> None:
+    """A DeviceMesh pickles the hash it cached (str hashes of its dim names, randomized per
+    process), which puts a per-process value in Inductor's cache keys; the workaround's reducer
+    leaves it out (tests/test_graph_fsdp.py: a restart then finds its graphs)."""
+    pickles = run_distributed(mesh_pickles, 1)[0]
+    assert not pickles["workaround"]
+    still_needed(pickles["torch"], "DeviceMesh pickles its cached hash")
