@@ -75,7 +75,7 @@ from parallel.lora import LoRAConfig, apply_lora
 from parallel.pp_split import Stage, StageFamily, merged_view, split_model
 from parallel.runtime import fsdp_meshes, pp_size
 from parallel.tp import apply_tp
-from parallel.workarounds import tp_compile_workarounds
+from parallel.workarounds import pickle_meshes_without_their_hash, tp_compile_workarounds
 
 if TYPE_CHECKING:
     import torch
@@ -221,6 +221,8 @@ def _parallelize(
     if mesh is None:
         return terms
     compile_cfg, ac = settings.compile, settings.ac
+    if compile_cfg.enabled:  # a restart then finds its graphs in Inductor's cache
+        pickle_meshes_without_their_hash()
     if compile_cfg.fsdp == "graph":  # 5-6 as one graph that holds FSDP's collectives
         apply_ac(model, family.fsdp_units(model), ac, in_graph=True)
         apply_graph_fsdp(model, family, fsdp_mesh, joint_mesh if tp > 1 else None,

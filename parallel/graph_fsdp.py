@@ -62,7 +62,6 @@ from parallel.compile import CompileConfig
 from parallel.dims import ParallelConfig
 from parallel.fsdp import DTYPES
 from parallel.graph_passes import inductor_options
-from parallel.workarounds import pickle_meshes_without_their_hash
 
 
 class GraphFSDPModule:
@@ -265,7 +264,6 @@ def apply_graph_fsdp(
     projection) in place. `joint`: at tp > 1, `dp_mesh` and the tp mesh joined
     (parallel/runtime.py `fsdp_meshes`). `float8`: gather the weights of torchao's tensorwise
     Float8Linear layers in float8."""
-    pickle_meshes_without_their_hash()  # a restart finds its graphs in Inductor's cache
     gather = _Gather(dp_mesh, DTYPES[parallel.param_dtype], DTYPES[parallel.reduce_dtype])
     sharded: dict[int, tuple[nn.Parameter, _Layout]] = {}  # a tied weight: one, two names
     for module in model.modules():

@@ -37,18 +37,17 @@ The first two concern tensor parallel with compiled blocks, seen on torch 2.13 (
    workaround, adding them to torch's public `torch.utils.checkpoint.SAC_IGNORED_OPS`: they
    compute nothing.
 5. **A DeviceMesh's per-process hash in Inductor's cache key.** Under compile.fsdp="graph"
-   the compiled graph takes each DTensor weight's DeviceMesh as an input, and Inductor's FX
-   graph cache key pickles it with the hash DeviceMesh caches on itself (`_hash`, kept by its
-   `__getstate__`): a hash of the mesh's dim names (str hashes, randomized per process) and of
-   its `_thread_id` (None, whose hash on Python 3.11 is an address). So the key differs from
-   process to process and a restarted run never finds its graphs (measured: 4 of 4 FX graph
-   cache misses on the second run, 4 of 4 hits with this workaround; BENCHMARKS.md). No torch
-   issue was found; the fix would be `__getstate__` leaving `_hash` out, which this does: a
-   copyreg reducer that pickles a mesh without it (it is recomputed on first use). With the
-   key now the same on every rank of a host, the rank must enter it: bucketed all-gathers
-   bake `dist.get_rank()` into the code (pytorch/pytorch#188332; fix proposed in
-   pytorch/pytorch#191878), so graph FSDP's own pass carries the rank in its cache uuid
-   (parallel/graph_passes.py).
+   (and compiled blocks at tp > 1) the graph takes each DTensor's DeviceMesh as an input, and
+   Inductor's FX graph cache key pickles it with the hash the mesh caches on itself (`_hash`,
+   kept by its `__getstate__`): a hash of its dim names (str hashes, randomized per process)
+   and of its `_thread_id` (None, whose hash on Python 3.11 is an address). So the key changed
+   from process to process and a restart never found its graphs (measured: the model's two
+   graphs missed on every restart; with this workaround every lookup hits:
+   tests/test_graph_fsdp.py, BENCHMARKS.md). No torch issue was found; the fix would be
+   `__getstate__` leaving `_hash` out, which this does with a copyreg reducer (the hash is
+   recomputed on first use). Each rank keeps keys of its own (the pickled mesh holds its
+   coordinate, and graph FSDP's pass its rank): bucketed all-gathers bake the rank into the
+   generated code (pytorch/pytorch#188332), so no rank may load another's.
 """
 
 from __future__ import annotations
@@ -111,7 +110,8 @@ def sac_ignores_profiler_ranges() -> None:
 def pickle_meshes_without_their_hash() -> None:
     """Pickle every DeviceMesh without its cached, per-process `_hash` (workaround 5), so that
     Inductor's cache keys of the graph FSDP path are the same in every process of a run.
-    Process-wide and idempotent; called by `apply_graph_fsdp`."""
+    Process-wide and idempotent; called by the build when anything is compiled (per-block
+    compile takes meshes too at tp > 1)."""
     import copyreg
 
     from torch.distributed.device_mesh import DeviceMesh
