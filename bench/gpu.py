@@ -66,6 +66,7 @@ COMMON = [
 # torchtitan's Llama 3 benchmarks use 8k-token sequences, one per GPU and step.
 SEQ = ["--data.seq_len=8192", "--train.micro_batch_size=1", "--train.global_batch_size=1"]
 COMPILE = ["--compile.enabled=true"]
+GRAPH_FSDP = "--compile.fsdp=graph"
 # The tied embedding and blocks 0-5 of the 1B flavor: 628M of its 1.24B parameters.
 HALF_1B = "tok_embeddings.*,layers.[0-5].*"
 FP8 = ["--fp8.enabled=true"]
@@ -222,20 +223,17 @@ SUITES = {
             *SEQ,
             "--train.micro_batch_size=1",
             "--train.global_batch_size=16",
-            *COMPILE,
-        ],  # fmt: skip
+        ],
         "all_gpus": True,
         "split": "--parallel.pp",
         "baseline": "bf16 compile 1f1b",
-        "cases": {
-            "bf16 compile 1f1b": ["--parallel.pipeline.schedule=1f1b"],
-            "bf16 compile 1f1b graph": [
-                "--parallel.pipeline.schedule=1f1b",
-                "--compile.fsdp=graph",
-            ],  # fmt: skip
+        "cases": {  # compile in each case: --smoke drops the suite's model flags
+            "bf16 compile 1f1b": [*COMPILE, "--parallel.pipeline.schedule=1f1b"],
+            "bf16 compile 1f1b graph": [*COMPILE, "--parallel.pipeline.schedule=1f1b", GRAPH_FSDP],
             "bf16 compile interleaved 1f1b graph": [
+                *COMPILE,
                 "--parallel.pipeline.schedule=interleaved_1f1b",
-                "--compile.fsdp=graph",
+                GRAPH_FSDP,
             ],
         },
         "smoke": ["--train.micro_batch_size=1", "--train.global_batch_size=4"],
@@ -486,7 +484,8 @@ def markdown(report: dict) -> str:
             base = by_name.get(baseline or r["case"].replace("fp8", "bf16", 1))
             ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base and base is not r else ""
             mfu = f"{r['mfu_bf16_pct']:.1f}%" if "mfu_bf16_pct" in r else "-"
-            case = r["case"] + (f" (cp {r['ranks']})" if r.get("ranks", 1) > 1 else "")
+            split = SUITES.get(r["suite"], {}).get("split", "--parallel.cp").split(".")[-1]
+            case = r["case"] + (f" ({split} {r['ranks']})" if r.get("ranks", 1) > 1 else "")
             case += f" (= {r['same_as']})" if "same_as" in r else ""
             lines.append(
                 f"| {case} | {r['tok_s']:,.0f} | {r.get('tflops', 0):.1f} | {mfu} | "
