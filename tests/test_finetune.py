@@ -31,7 +31,7 @@ from parallel.dims import LaunchEnv
 from parallel.freeze import apply_freeze
 from parallel.lora import LoRAConfig, LoRALayer, apply_lora, init_lora, merge_lora
 from tests.distributed import run_distributed
-from tests.test_train import COMPILED, FP32, TINY, assert_close, train_losses
+from tests.test_train import COMPILED, FP8, FP32, TINY, assert_close, train_losses
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # transformers and peft never reach for the network
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -615,7 +615,8 @@ def test_float8_base_layers_with_high_precision_adapters() -> None:
 @pytest.mark.slow
 def test_fp8_lora_tracks_bf16_lora(tiny_dataset: str, tmp_path: Path) -> None:
     """2 ranks, 10 steps: fp8 base layers (tensorwise, float8 all-gather of the frozen
-    weights) with bf16 adapters stay within 1% of the bf16 LoRA run's losses."""
+    weights; matmuls emulated, tests/test_train.py's FP8) with bf16 adapters stay within 1% of
+    the bf16 LoRA run's losses."""
     pytest.importorskip("torchao", reason="fp8 extra not installed")
     argv = [f"--data.path={tiny_dataset}", *TINY, "--parallel.param_dtype=bfloat16",
             "--train.steps=10", "--train.micro_batch_size=4", *LORA, "--lora.rank=16",
@@ -623,7 +624,7 @@ def test_fp8_lora_tracks_bf16_lora(tiny_dataset: str, tmp_path: Path) -> None:
     bf16 = run_distributed(train_losses, 2, [*argv, f"--run.output_dir={tmp_path / 'a'}"])[0]
     fp8 = run_distributed(
         train_losses, 2,
-        [*argv, f"--run.output_dir={tmp_path / 'b'}", "--fp8.enabled=true", "--fp8.filter=none"],
+        [*argv, f"--run.output_dir={tmp_path / 'b'}", *FP8, "--fp8.filter=none"],
     )[0]  # fmt: skip
     assert fp8 != bf16 and fp8[-1] < fp8[0]
     torch.testing.assert_close(torch.tensor(fp8), torch.tensor(bf16), rtol=1e-2, atol=0)

@@ -15,7 +15,7 @@ from launch.job import JobConfig
 from parallel.muon import Muon, MuonConfig, muon_groups, muon_parameters, owned_matrices
 from tests.distributed import run_distributed
 from tests.test_families import assert_same_run, run_argv, train_run
-from tests.test_train import TINY, train_losses
+from tests.test_train import FP8, TINY, train_losses
 
 # Keller Jordan's lr rule at his lr; Newton-Schulz in float32 for the 1e-5 parity (in bfloat16,
 # torch's, a last-bit difference of a gradient can round differently: 4e-5 on the EP run).
@@ -322,7 +322,7 @@ def test_float8_trains_with_muon_on_its_high_precision_weights(
     behind torchao's wrappers; the losses stay within 1% of the same run without float8."""
     common = ["--parallel.param_dtype=bfloat16", "--fp8.filter=none", "--train.steps=6"]
     plain = train(tiny_dataset, tmp_path, "plain", 2, *common)
-    fp8 = train(tiny_dataset, tmp_path, "fp8", 2, *common, "--fp8.enabled=true")
+    fp8 = train(tiny_dataset, tmp_path, "fp8", 2, *common, *FP8)
     assert fp8["losses"] != plain["losses"]  # float8 really ran
     assert fp8["losses"][-1] < fp8["losses"][0] - 0.2
     torch.testing.assert_close(

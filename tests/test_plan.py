@@ -19,6 +19,7 @@ from parallel.plan import activation_bytes, model_shape, plan_communication, pla
 from tests.distributed import run_distributed
 from tests.test_families import RUN_SHAPE
 from tests.test_moe_trainer import MOE
+from tests.test_train import FP8
 from tests.zoo import NAME, call_registered
 
 ZOO = [f"--model.name={NAME}", *RUN_SHAPE[NAME]]
@@ -175,9 +176,7 @@ def instrumented_step(argv: list[str]) -> dict[str, Any]:
             marks=pytest.mark.slow,
         ),
         # The tiny layers: all converted.
-        pytest.param(
-            2, ["--fp8.enabled=true", "--fp8.filter=none"], id="hsdp-fp8", marks=pytest.mark.slow
-        ),
+        pytest.param(2, [*FP8, "--fp8.filter=none"], id="hsdp-fp8", marks=pytest.mark.slow),
         # The embedding, blocks 0 and 1 of 3 and the final norm frozen: no reduction for
         # them; backward leaves out blocks 0 and 1, but prefetches (gathers) block 1. With
         # 'always' every block frees after forward.
@@ -242,7 +241,7 @@ def test_planner_matches_instrumented_collectives(
     ]
     if nodes > 1:
         argv.append(f"--parallel.dp_replicate={nodes}")
-    if "--fp8.enabled=true" in options:
+    if FP8[0] in options:
         pytest.importorskip("torchao", reason="fp8 extra not installed")
     results = run_distributed(partial(call_registered, instrumented_step), 4, argv, nodes=nodes)
     job = parse_config(JobConfig, argv)

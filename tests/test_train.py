@@ -32,6 +32,11 @@ FP32 = ["--parallel.param_dtype=float32"]
 # as with Inductor, without generating kernels (a third of the time on CPU). Inductor's own
 # kernels are tested in tests/test_ac_compile.py and tests/test_graph_fsdp.py.
 COMPILED = ["--compile.enabled=true", "--compile.backend=aot_eager"]
+# Float8 Linears for the tests of how FP8 trains and composes: torchao's casts, scales and
+# float8 all-gathers as on a GPU, the matmul done in fp32 on the float8 values. torch's CPU
+# `_scaled_mm` takes ~2 s a step of TINY on 2 ranks, against 0.2 s emulated;
+# tests/test_float8.py checks once that emulation gives that kernel's losses.
+FP8 = ["--fp8.enabled=true", "--fp8.emulate=true"]
 
 
 def train_losses(argv: list[str]) -> list[float]:
