@@ -23,6 +23,14 @@ run ends with one line and exit status 128 + the signal's number (143 for SIGTER
 SIGUSR1, 130 for SIGINT), what a shell reports for a process a signal ended: a stopped run is
 neither finished (0: `launcher && export` must not go on) nor failed (1), and a scheduler can
 tell it apart (Slurm's RequeueExit, say). What the ranks saved is in their own lines above it.
+
+On several nodes a stop signal may reach one agent only (one node drained or preempted). Its
+ranks pass the stop on to every other rank, so all stop after the same step and save; the
+other agents then see their ranks succeed and wait in torchrun's exit barrier (300 s) for the
+signaled one, which torchrun lets exit without joining it: they end with a DistStoreError. Here
+the signaled agent, once its ranks saved, writes the stop to the rendezvous store and joins the
+barrier; every other agent reads it there and ends the same way, with a line that names the
+signal sent to another node and 128 + its number: a stop is the same status on every node.
 """
 
 from __future__ import annotations
@@ -30,9 +38,16 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import signal
 import sys
 
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.agent.server.api import (
+    _TERMINAL_STATE_SYNC_ID,
+    DEFAULT_ROLE,
+    RunResult,
+    SimpleElasticAgent,
+)
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -69,6 +84,75 @@ def shorten_failure_grace(seconds: int) -> None:
 
     PContext.close = close_soon  # type: ignore[method-assign]
     LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
+
+
+# Keys of the agents' rendezvous store: the signal that stopped an agent, and the barrier after
+# which each agent has read it (the store lives in one agent: it must not exit before).
+STOP_KEY = "fsdp2/stopped_by"
+READ_BARRIER = "fsdp2/stop_read"
+
+
+class PeerStopped(SignalException):
+    """Raised by an agent whose ranks stopped because another node's agent got a stop signal."""
+
+
+def _barrier(agent: SimpleElasticAgent, key_prefix: str, timeout_s: float) -> None:
+    from torch.distributed.elastic.utils import store as store_util
+
+    world = agent._worker_group.group_world_size
+    store_util.barrier(agent._store, world, key_prefix, barrier_timeout=timeout_s)
+
+
+def share_stops(timeout_s: float) -> None:
+    """Let one node's stop signal end every node's agent at once, with 128 + the signal (the
+    module's docstring says why). Patches torchrun's agent (torch 2.11-2.13): its `run` and its
+    exit barrier are the only places that know, and neither has a hook."""
+    run, exit_barrier = SimpleElasticAgent.run, SimpleElasticAgent._exit_barrier
+
+    def joined_exit_barrier(agent: SimpleElasticAgent) -> None:
+        agent._fsdp2_joined_exit_barrier = True  # a second join would count this agent twice
+        exit_barrier(agent)
+
+    def run_sharing_stops(agent: SimpleElasticAgent, role: str = DEFAULT_ROLE) -> RunResult:
+        try:
+            result = run(agent, role)  # on a signal: raises once the ranks have saved
+        except SignalException as stop:
+            if agent._store is not None and agent._worker_group.group_world_size > 1:
+                _tell_the_others(agent, stop, timeout_s)
+            raise
+        if result is not None and not result.is_failed() and agent._store is not None:
+            _raise_a_peers_stop(agent, timeout_s)
+        return result
+
+    SimpleElasticAgent._exit_barrier = joined_exit_barrier  # type: ignore[method-assign]
+    SimpleElasticAgent.run = run_sharing_stops  # type: ignore[method-assign]
+
+
+def _tell_the_others(agent: SimpleElasticAgent, stop: SignalException, timeout_s: float) -> None:
+    """Signaled: the stop into the store, then the exit barrier the others wait in, then wait
+    until they have read it. A node that is gone or failed costs at most `timeout_s` each."""
+    try:
+        agent._store.set(STOP_KEY, stop.sigval.name)
+        if not getattr(agent, "_fsdp2_joined_exit_barrier", False):
+            _barrier(agent, _TERMINAL_STATE_SYNC_ID, timeout_s)
+        _barrier(agent, READ_BARRIER, timeout_s)
+    except Exception:  # noqa: BLE001 - the stop itself is done: this only informs the others
+        logging.getLogger(__name__).debug("stop not shared", exc_info=True)
+
+
+def _raise_a_peers_stop(agent: SimpleElasticAgent, timeout_s: float) -> None:
+    """After the exit barrier (every agent's ranks are done): another agent's stop, if any."""
+    try:
+        if not agent._store.check([STOP_KEY]):
+            return
+        name = agent._store.get(STOP_KEY).decode()
+    except Exception:  # noqa: BLE001 - the store's host exited: no agent was stopped
+        return
+    try:
+        _barrier(agent, READ_BARRIER, timeout_s)  # read: the store's host may now exit
+    except Exception:  # noqa: BLE001 - it exited already, after everyone read
+        pass
+    raise PeerStopped(f"{name} to another node's agent", signal.Signals[name])
 
 
 class HoldBack(logging.Filter):
@@ -121,6 +205,9 @@ def main(argv: list[str]) -> int:
     for logger in agent_loggers:
         logger.addFilter(hold)
     shorten_failure_grace(int(os.environ.get("FAILURE_GRACE_S", FAILURE_GRACE_S)))
+    # The other nodes' ranks stopped after the same step and saved as these did: they need no
+    # longer than the ranks' own save (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) to report in.
+    share_stops(float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)))
     try:
         torchrun.main(argv)
     except ChildFailedError as error:
@@ -134,8 +221,8 @@ def main(argv: list[str]) -> int:
         hold.held.clear()
         status = 128 + stop.sigval
         reason = "a stop, not a failure; the ranks' lines above say the step they saved"
-        print(f"launcher: stopped by {stop.sigval.name}, exit status {status} ({reason})",
-              file=sys.stderr)  # fmt: skip
+        by = stop.sigval.name + (" to another node" if isinstance(stop, PeerStopped) else "")
+        print(f"launcher: stopped by {by}, exit status {status} ({reason})", file=sys.stderr)
         return status
     finally:
         hold.release()

@@ -23,8 +23,8 @@
 #   MAX_RESTARTS   times torchrun restarts all workers after a failure (default 0); each restart
 #                  resumes from the latest checkpoint (checkpoint.resume=auto), so set
 #                  --checkpoint.interval
-#   TORCHRUN       the torchrun command (default: torchrun from PATH); PYTHON (default: the
-#                  python beside it) checks the config
+#   TORCHRUN       the torchrun command (default: torchrun from PATH): the python beside it,
+#                  PYTHON, checks the config and runs torchrun's agent (launch/agent.py)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get to save after a stop signal (default
 #                  30; torch >= 2.12 reads it, 2.11 always gives 30)
 # Fault-tolerant replica groups (FT=1; docs/launch.md, "Replica groups that survive a lost
@@ -39,8 +39,10 @@
 #                  for torchft_lighthouse (e.g. --heartbeat_timeout_ms 2000)
 # A config error (or missing data, a wrong *_SOCKET_IFNAME...) ends every node at once with one
 # line and exit status 2, before torchrun starts: it is not retried.
-# Stop: SIGTERM, SIGINT, SIGUSR1, SIGHUP or SIGQUIT to this script on every node (it becomes
-# torchrun) makes the ranks finish their step, save a checkpoint and exit.
+# Stop: SIGTERM, SIGINT, SIGUSR1, SIGHUP or SIGQUIT to this script (it becomes torchrun's
+# agent), on every node or on one only (a node drained), makes every rank finish the same step,
+# save a checkpoint and exit; every node's launcher then exits 128 + the signal's number (143
+# for SIGTERM, 129 SIGHUP), the others saying the signal went to another node.
 set -euo pipefail
 # No cd: relative paths (the config, data.path, run.output_dir) are the user's, from where the
 # script is started. The trainer is found by its path; -P keeps a folder of that name in the
@@ -173,7 +175,10 @@ PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -P -m launch.check \
     --world-size=$(( MAX_NNODES * NPROC )) --nnodes="$MAX_NNODES" --local-world-size="$NPROC" \
     --min-nnodes="$MIN_NNODES" "$@" || exit
 
-# $TORCHRUN unquoted on purpose: it may be a command with arguments
-# (python -m torch.distributed.run).
-exec $TORCHRUN --nnodes="$NNODES" --nproc-per-node="$NPROC" \
-    "${rdzv[@]}" --max-restarts="${MAX_RESTARTS:-0}" "$repo/train.py" "$@"
+# torchrun's agent through launch/agent.py, as torchrun.sh and hsdp.sbatch run it: a stop is
+# one line and 128 + the signal on every node, the signaled ones and those whose ranks stopped
+# with them. --keep-failure-report: a failed rank still gets torchrun's report (only rank 0
+# logs why a run stopped; the other nodes would end with nothing said).
+exec "$PYTHON" -P "$repo/launch/agent.py" --keep-failure-report --nnodes="$NNODES" \
+    --nproc-per-node="$NPROC" "${rdzv[@]}" --max-restarts="${MAX_RESTARTS:-0}" \
+    "$repo/train.py" "$@"

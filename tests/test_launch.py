@@ -613,6 +613,38 @@ def test_second_launch_on_a_run_folder_in_use_is_refused_and_sighup_stops_the_fi
 
 
 @pytest.mark.slow
+def test_sighup_to_one_multinode_agent_stops_every_node_in_seconds(
+    tiny_dataset: str, tmp_path: Path, launch
+) -> None:
+    """Two multinode.sh agents, one rank each; SIGHUP to node 1's only (that node drained, its
+    ssh session closed): both ranks stop after the same step and save it, and both launchers
+    exit 129 within seconds, each with one line (node 0's: the signal went to another node),
+    no traceback and no wait in torchrun's exit barrier (300 s)."""
+    run = launch.nodes(tmp_path, tiny_args(tiny_dataset, tmp_path, *LONG_RUN), nproc=1)
+    run.wait_for(r"step 10/\d+  loss", timeout=90)
+    ranks = run.worker_pids()
+    start = time.monotonic()
+    os.kill(run.procs[1].pid, signal.SIGHUP)
+    assert run.wait(timeout=90) == [129, 129], run.text()[-4000:]
+    gone = time.monotonic() - start
+    assert not any(alive(pid) for pid in ranks.values())
+    stopped = [log.read_text() for log in run.logs]
+    # Rank 1 got the signal from its agent; rank 0 stopped with it, after the same step, saved.
+    said = re.search(r"\[rank1\] WARNING SIGHUP received: stopping after step (\d+)", stopped[1])
+    assert said, stopped[1][-4000:]
+    step = int(said.group(1))
+    assert f"stopped by a signal to another rank after step {step}/" in stopped[0], stopped[0]
+    assert (tmp_path / "debug" / "checkpoints" / f"step-{step}" / "COMPLETE").exists()
+    for log, name in zip(stopped, ["SIGHUP to another node", "SIGHUP"], strict=True):
+        last = log.strip().splitlines()[-1]
+        assert STOP_LINE.format(name=name, status=129) in last, log[-4000:]
+    for log in stopped:
+        assert "Traceback" not in log and "DistStoreError" not in log, log[-4000:]
+    assert gone < 30, f"launchers gone {gone:.1f} s after the signal"
+    print(f"SIGHUP to one of 2 agents: saved step {step}, both launchers gone after {gone:.1f} s")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "target", [pytest.param("pid", marks=pytest.mark.drill), "process group"]
 )  # pid: the same PR_SET_PDEATHSIG path, for the agent alone
