@@ -51,6 +51,12 @@ class StopRequest:
     process of the job, and torchrun forwards its copy), so a repeat is not "hurry up"; the
     third signal exits at once, for a user who really means it.
 
+    A launcher that dies sends more than one SIGTERM: PR_SET_PDEATHSIG fires when the *thread*
+    that started the rank exits, and the kernel re-parents the rank to another live thread of
+    the launcher, firing again when that one exits (1 to 3 signals for one `kill -9` of a
+    threaded process, measured). Once the launcher is lost, a SIGTERM is the kernel's copy: it
+    is neither counted nor said (three of them used to end the rank at once, unsaved).
+
     A SIGTERM because this rank's launcher died (`launcher_lost`) is not a request: its node is
     lost. The ranks still save the step in flight, then exit non-zero (train.py) so that
     torchrun restarts the workers on the nodes that remain (launch/elastic.py).
@@ -72,6 +78,8 @@ class StopRequest:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGTERM and self.launcher_lost:
+            return  # the dead launcher's next thread exiting (see the class docstring)
         self._count += 1
         if self._count >= 3:
             raise SystemExit(128 + signum)

@@ -84,7 +84,8 @@ def test_the_mesh_follows_the_nodes_left_with_the_same_global_batch(monkeypatch)
 
 def test_a_stop_signal_is_a_lost_node_only_when_the_launcher_is_gone(monkeypatch) -> None:
     """SIGTERM from a live launcher is a requested stop (exit 0 after saving); the same signal
-    once the launcher is gone (PR_SET_PDEATHSIG) is a lost node (exit 3, a restart)."""
+    once the launcher is gone (PR_SET_PDEATHSIG) is a lost node (exit 3, a restart), and its
+    repeats are the kernel's, never the third signal that exits at once."""
     from launch.lifecycle import STOP_SIGNALS, StopRequest
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -102,6 +103,14 @@ def test_a_stop_signal_is_a_lost_node_only_when_the_launcher_is_gone(monkeypatch
         launcher.kill()
         launcher.wait()
         assert stop.launcher_lost
+        # More SIGTERMs from the same death (PR_SET_PDEATHSIG fires once per launcher thread
+        # the rank is re-parented through): not a third signal that exits at once.
+        for _ in range(3):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and stop.launcher_lost
+        os.kill(os.getpid(), signal.SIGINT)  # a user's second signal still counts
+        with pytest.raises(SystemExit, match="130"):
+            os.kill(os.getpid(), signal.SIGINT)
     finally:
         launcher.kill()
         for sig, handler in previous.items():
