@@ -190,9 +190,14 @@ def test_a_signal_stops_after_the_step_its_line_names(
 
 
 @pytest.mark.slow
+@pytest.mark.drill  # a signal to one rank stops every rank after the same step by default in
+# test_a_signal_stops_after_the_step_its_line_names (in-process ranks) and under launchers in
+# tests/test_launch.py's test_sighup_to_one_multinode_agent_stops_every_node_in_seconds
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
     tiny_dataset: str, tmp_path: Path
 ) -> None:
+    """Plain torchrun, SIGUSR1 to rank 1 alone (Slurm's warning, say): rank 0, never signalled,
+    stops after the same step and the step is saved."""
     args = argv(
         tiny_dataset, tmp_path, "--train.steps=100000", "--metrics.log_interval=1",
         "--checkpoint.interval=50000",
