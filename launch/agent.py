@@ -113,7 +113,7 @@ def share_stops(timeout_s: float) -> None:
         agent._fsdp2_joined_exit_barrier = True  # a second join would count this agent twice
         exit_barrier(agent)
 
-    def run_sharing_stops(agent: SimpleElasticAgent, role: str = DEFAULT_ROLE) -> RunResult:
+    def run_sharing_stops(agent: SimpleElasticAgent, role: str = DEFAULT_ROLE) -> RunResult | None:
         try:
             result = run(agent, role)  # on a signal: raises once the ranks have saved
         except SignalException as stop:
