@@ -182,12 +182,13 @@ def train_and_count_cache(argv: list[str]) -> tuple[list[float], dict[str, int]]
 
 @pytest.mark.slow
 def test_a_restart_finds_its_compiled_graphs(short_docs: str, tmp_path: Path) -> None:
-    """The one-block model compiled on FSDP 1x2, run twice, each time in a process tree of its
-    own (as a requeued job or an elastic restart starts it; ranks forked from one fork server
-    would share its hash seed and addresses, and hit even with the bug), with an Inductor cache
-    of its own: the second run finds every graph it compiles in the FX graph cache, on every
-    rank, and repeats the first's losses bitwise. Without parallel/workarounds.py's fifth
-    workaround every lookup misses (each process pickles its meshes with another hash)."""
+    """The one-block model compiled on FSDP 1x2 (one sequence a rank), run twice, each time in
+    a process tree of its own (as a requeued job or an elastic restart starts it; ranks forked
+    from one fork server would share its hash seed and addresses, and hit even with the bug),
+    with an Inductor cache of its own: the second run finds every graph it compiles in the FX
+    graph cache, on every rank, and repeats the first's losses bitwise. Without
+    parallel/workarounds.py's fifth workaround the model's graphs miss (each process pickles
+    its meshes with another hash)."""
     import json
     import os
     import subprocess
@@ -198,7 +199,7 @@ def test_a_restart_finds_its_compiled_graphs(short_docs: str, tmp_path: Path) ->
     results = []
     for name in ("first", "restarted"):
         args = argv(short_docs, tmp_path, name, *model, *GRAPH, "--train.steps=2",
-                    "--checkpoint.interval=0")  # fmt: skip
+                    "--checkpoint.interval=0", "--train.global_batch_size=2")  # fmt: skip
         done = subprocess.run([sys.executable, "-m", "tests.test_graph_fsdp", json.dumps(args)],
                               capture_output=True, text=True, timeout=900, env=env,
                               check=False)  # fmt: skip
