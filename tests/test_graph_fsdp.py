@@ -181,6 +181,8 @@ def train_and_count_cache(argv: list[str]) -> tuple[list[float], dict[str, int]]
 
 
 @pytest.mark.slow
+@pytest.mark.drill  # 60 s of 2 cores (two cold process trees); tests/test_workarounds.py checks
+# the workaround's reducer by default
 def test_a_restart_finds_its_compiled_graphs(short_docs: str, tmp_path: Path) -> None:
     """The one-block model compiled on FSDP 1x2 (one sequence a rank), run twice, each time in
     a process tree of its own (as a requeued job or an elastic restart starts it; ranks forked
