@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +41,7 @@ from checkpoint import (
 from checkpoint.hf import load_hf_weights
 from checkpoint.state import read_mesh
 from configs import ConfigError, HelpRequested, config_to_toml, parse_config
-from data.documents import MicroBatch, micro_batch
+from data.documents import MicroBatch, batch_on_device
 from data.loader import DataSource, StepBatches, build_dataloader
 from data.stream import SourceMeter
 from data.tasks import Task, task_batches, task_scores, task_warnings
@@ -87,6 +87,7 @@ from parallel.build import BuiltModel, build_model
 from parallel.compile import compile_loss
 from parallel.cp import split_after
 from parallel.dims import LaunchEnv
+from parallel.dpo_reference import build_objective, reference_for_loader
 from parallel.ep import build_expert_mesh
 from parallel.fsdp import assign_local_shard, reshard_plan
 from parallel.ft import Replicas, ReplicasDiverged
@@ -94,6 +95,7 @@ from parallel.ft_config import group_folder
 from parallel.lora import adapter_names, init_lora
 from parallel.loss import ChunkedLoss
 from parallel.muon import Muon, muon_groups
+from parallel.objective import Objective, join_terms, summed_loss
 from parallel.pp import Pipeline
 from parallel.replicas import build_replicas
 from parallel.runtime import (
@@ -215,26 +217,6 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
-def summed_loss(
-    model: torch.nn.Module | Pipeline,
-    batch: MicroBatch,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
-) -> torch.Tensor | None:
-    """The model's summed loss on one micro-batch (`loss_fn`: possibly the compiled one; a
-    `ChunkedLoss` takes the final hidden states and projects them itself, a chunk at a time).
-    At tp > 1 call it under `loss_context`: the loss is then a DTensor holding the whole value
-    on every tp rank, returned as a plain tensor (its backward still runs through DTensor).
-    A `Pipeline` (evaluation under pp) returns None on a rank without the last stage."""
-    # Only when chunking: a family without `hidden_only` keeps working unchunked.
-    chunked = {"hidden_only": True} if isinstance(loss_fn, ChunkedLoss) else {}
-    out = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions,
-                **chunked)  # fmt: skip
-    if out is None:
-        return None
-    loss = loss_fn(out, batch.targets)
-    return loss.to_local() if isinstance(loss, DTensor) else loss
-
-
 def train(
     job: JobConfig, plan: Plan, env: LaunchEnv, stop: StopRequest | None = None
 ) -> list[float]:
@@ -293,6 +275,8 @@ class Run:
     env: LaunchEnv
     built: BuiltModel
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    objective: Objective
+    """What the step minimizes: the cross-entropy, or DPO (parallel/objective.py)."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     device: torch.device
@@ -365,7 +349,11 @@ def _train(
     # the stream, as HSDP's replicas do, and the checkpoint records the mesh they make up.
     run.replicas = replicas = build_replicas(job.ft, env.rank, env.world_size, device,
                                              replica_settings(job, env))  # fmt: skip
-    loader = build_loader(job, plan, "train", *replicas.data_slice(run.dp_rank, run.dp_size))
+    # What the objective reads with each batch (DPO's precomputed reference, written by one
+    # pass over the pairs at the first start): parallel/dpo_reference.py.
+    reference = reference_for_loader(run, run_dir)
+    loader = build_loader(job, plan, "train", *replicas.data_slice(run.dp_rank, run.dp_size),
+                          reference=reference)  # fmt: skip
     # Resume: everything that changes during training is a Stateful in one dict, loaded in
     # place before the loader is iterated (DCP reshards it onto this mesh).
     groups = replicas.groups
@@ -468,25 +456,8 @@ def setup(
     if env.rank == 0 and job.lora.enabled:
         logger.info("lora: rank %d, alpha %g on %d Linear layers (%s)", job.lora.rank,
                     job.lora.alpha, len(built.adapted), ", ".join(job.lora.targets))  # fmt: skip
-    for part in built.parts:  # the model, or each pipeline stage (each its own FSDP root)
-        part.to_empty(device=device)
+    initialize(built, job, plan, env, device)
     t = job.train
-    if job.checkpoint.init_from_hf and plan.resume is None:
-        mapping = get_hf_mapping(job.model.name)  # checked by check_config
-        hf_dir, adapters = job.checkpoint.init_from_hf, adapter_names(model)
-        loaded = load_hf_weights(model, mapping, hf_dir, job.data.seq_len, exclude=adapters,
-                                 partial=bool(built.stages))  # fmt: skip
-        for stage in built.stages:  # each stage's own RoPE table (`model` gathers no buffers)
-            stage.model.init_buffers(job.data.seq_len)
-        if env.rank == 0:  # log_orientation leaves this start to here, where the count is known
-            logger.info("starting at step 0 of %d from the Hugging Face weights in %s: %d "
-                        "tensors loaded", t.steps, hf_dir, loaded)  # fmt: skip
-    else:  # random init, also when a checkpoint is about to overwrite it (it sets the RoPE table)
-        for part in built.parts:
-            part.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
-    # LoRA's adapters by their own rule, on the base weights from either: B = 0, so the model
-    # starts as the base model, exactly.
-    init_lora(model, t.seed, assign_local_shard)
     if env.rank == 0:
         n_params = count_params(model)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -504,10 +475,14 @@ def setup(
         # stand-in where a tied weight's replica is).
         layer = output_layer(plan.family, built.parts[-1])
         loss_fn = ChunkedLoss(layer, t.loss_chunk_tokens, loss_fn)
+    # The cross-entropy, or DPO with its reference (a frozen copy built like the model).
+    copy = partial(build_reference, job, plan, env, mesh, expert_mesh, device)
+    objective = build_objective(job.dpo, loss_fn, copy)
+    built.terms = join_terms(built.terms, objective.terms)
     dp_rank, dp_size = dp_rank_and_size(mesh)
     # A loader's (inputs, targets) on the device, with their document ids and targets under
     # data.attention_mask="document" (data/documents.py): derived per micro-batch, on the device.
-    to_batch = partial(micro_batch, cfg=job.data, eos_id=plan.dataset.eos_id, device=device)
+    to_batch = partial(batch_on_device, cfg=job.data, eos_id=plan.dataset.eos_id, device=device)
     if plan.cp > 1:  # each cp rank keeps its two chunks of the window (parallel/cp.py)
         to_batch = split_after(to_batch, mesh["cp"])
     # No block freed after forward ('never', or 'default' at dp_shard = 1): keep them gathered
@@ -520,8 +495,60 @@ def setup(
     pipeline = None
     if built.stages:  # the step's micro-batches through this rank's stages (parallel/pp.py)
         pipeline = Pipeline(built.stages, mesh["pp"], device, p.pipeline, plan.grad_accum_steps)
-    return Run(job, plan, env, built, loss_fn, optimizer, scheduler, device, dp_rank, dp_size,
-               to_batch, keep_gathered=keep_gathered, pipeline=pipeline)  # fmt: skip
+    return Run(job, plan, env, built, loss_fn, objective, optimizer, scheduler, device, dp_rank,
+               dp_size, to_batch, keep_gathered=keep_gathered, pipeline=pipeline)  # fmt: skip
+
+
+def initialize(
+    built: BuiltModel,
+    job: JobConfig,
+    plan: Plan,
+    env: LaunchEnv,
+    device: torch.device,
+    log: bool = True,
+) -> None:
+    """Materialize `built` on `device` and give it its starting weights: the Hugging Face
+    files' (checkpoint.init_from_hf, unless resuming) or the seed's, then LoRA's adapters."""
+    model, t = built.model, job.train
+    for part in built.parts:  # the model, or each pipeline stage (each its own FSDP root)
+        part.to_empty(device=device)
+    if job.checkpoint.init_from_hf and plan.resume is None:
+        mapping = get_hf_mapping(job.model.name)  # checked by check_config
+        hf_dir, adapters = job.checkpoint.init_from_hf, adapter_names(model)
+        loaded = load_hf_weights(model, mapping, hf_dir, job.data.seq_len, exclude=adapters,
+                                 partial=bool(built.stages))  # fmt: skip
+        for stage in built.stages:  # each stage's own RoPE table (`model` gathers no buffers)
+            stage.model.init_buffers(job.data.seq_len)
+        if env.rank == 0 and log:  # log_orientation leaves it to here, where the count is known
+            logger.info("starting at step 0 of %d from the Hugging Face weights in %s: %d "
+                        "tensors loaded", t.steps, hf_dir, loaded)  # fmt: skip
+    else:  # random init, also when a checkpoint is about to overwrite it (it sets the RoPE table)
+        for part in built.parts:
+            part.init_weights(seed=t.seed, rope_len=job.data.seq_len, assign=assign_local_shard)
+    # LoRA's adapters by their own rule, on the base weights from either: B = 0, so the model
+    # starts as the base model, exactly.
+    init_lora(model, t.seed, assign_local_shard)
+
+
+def build_reference(
+    job: JobConfig,
+    plan: Plan,
+    env: LaunchEnv,
+    mesh: DeviceMesh,
+    expert_mesh: DeviceMesh | None,
+    device: torch.device,
+) -> torch.nn.Module:
+    """A frozen copy of the model's starting weights, sharded as the model is (no LoRA, nothing
+    trains, so no gradient and no optimizer state): DPO's reference (dpo.reference='copy').
+    From the same files or seed as the model, also on a resume (check_config refuses a start
+    from a checkpoint's weights, which the copy would not have)."""
+    settings = replace(job.build_settings(), lora=replace(job.lora, enabled=False), freeze=[])
+    built = build_model(plan.family, plan.args, settings, mesh, expert_mesh,
+                        list(plan.stage_sizes))  # fmt: skip
+    start = replace(plan, resume=None)  # its weights are the start's, whatever the run resumes
+    initialize(built, job, start, env, device, log=False)
+    built.model.requires_grad_(False)
+    return built.model
 
 
 def train_step(
@@ -532,9 +559,10 @@ def train_step(
     loss, the stop flags, whether an async save finished (`saved`, on this rank) and the
     model's statistics, then the update (unless non-finite)."""
     model, t, tp, cp, dp_size = run.model, run.job.train, run.plan.tp, run.plan.cp, run.dp_size
-    # Normalize by the *global* number of target tokens of the step, so the loss and the
-    # gradients are the same for any micro-batching and any mesh shape.
-    global_tokens = sum((b.targets != -100).sum() for b in micro_batches).float()
+    # Normalize by the *global* number of target tokens of the step (pairs, for DPO: the
+    # objective's units), so the loss and the gradients are the same for any micro-batching
+    # and any mesh shape.
+    global_tokens = sum(run.objective.units(b) for b in micro_batches).float()
     # Timed (so synchronized, on a GPU) for the straggler meter: how long this rank waits here
     # is how much later the last rank arrived. One rank has no one to wait for: no sync.
     step, timed = run.progress.step + 1, run.job.health.stragglers and run.env.world_size > 1
@@ -605,7 +633,7 @@ def accumulate(
             # backward adds nothing to the peak.
             model.set_reshard_after_backward(last)
         with loss_context(tp):
-            loss = summed_loss(model, batch, run.loss_fn) / global_tokens
+            loss = run.objective(model, batch) / global_tokens
             # FSDP averages gradients over the dp x cp ranks; our loss is already a global
             # mean, so scale by their number to turn that average into the sum we want. Each
             # of the tp ranks of a dp rank counted the same targets into global_tokens: x tp
@@ -882,9 +910,11 @@ def build_loader(
     dp_rank: int,
     dp_size: int,
     source: DataSource | None = None,
+    reference: Any = None,
 ):
     """This rank's loader of `split`: its slice of the global stream (see data/loader.py), of
-    every source for training, of one `source` for validation."""
+    every source for training, of one `source` for validation; `reference`: what the objective
+    reads with each batch (parallel/dpo_reference.py)."""
     return build_dataloader(
         job.data,
         split,
@@ -893,6 +923,7 @@ def build_loader(
         micro_batch_size=job.train.micro_batch_size,
         seed=job.train.seed,
         sources=plan.sources if source is None else [source],
+        reference=reference,
     )
 
 

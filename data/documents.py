@@ -43,6 +43,9 @@ class MicroBatch(NamedTuple):
     """(batch, seq) int32: the document of each token (None: causal over the whole window)."""
     positions: torch.Tensor | None = None
     """(batch, seq) int64: each token's RoPE position (None: 0..seq-1)."""
+    reference: torch.Tensor | None = None
+    """(batch,) float64: each row's precomputed reference log-probability (DPO with
+    dpo.reference = 'precomputed', parallel/dpo.py); None otherwise."""
 
 
 def micro_batch(
@@ -51,18 +54,31 @@ def micro_batch(
     cfg: DataConfig,
     eos_id: int | None,
     device: torch.device,
+    reference: torch.Tensor | None = None,
 ) -> MicroBatch:
-    """A loader's (inputs, targets) on `device`, with what `cfg.attention_mask` derives."""
+    """A loader's (inputs, targets) on `device`, with what `cfg.attention_mask` derives.
+    Preference pairs (batch, 2, seq) become rows chosen, rejected, chosen, ... (batch x 2, seq),
+    their precomputed reference log-probs (batch, 2), if any, rows likewise."""
+    if inputs.dim() == 3:
+        inputs, targets = inputs.flatten(0, 1), targets.flatten(0, 1)
+        reference = None if reference is None else reference.flatten().to(device)
     inputs, targets = inputs.to(device), targets.to(device)
     if cfg.attention_mask == "causal":
-        return MicroBatch(inputs, targets)
+        return MicroBatch(inputs, targets, reference=reference)
     if eos_id is None:  # check_documents rejects this at startup
         raise ValueError("document masking needs the dataset's EOS id")
     ids = document_ids(inputs, eos_id)
     targets = targets.masked_fill(inputs == eos_id, NO_TARGET)  # each document's first token
-    return MicroBatch(
-        inputs, targets, ids, document_positions(ids) if cfg.document_positions else None
-    )
+    positions = document_positions(ids) if cfg.document_positions else None
+    return MicroBatch(inputs, targets, ids, positions, reference)
+
+
+def batch_on_device(
+    *batch: torch.Tensor, cfg: DataConfig, eos_id: int | None, device: torch.device
+) -> MicroBatch:
+    """`micro_batch` of what a loader yields: (inputs, targets), and for DPO with precomputed
+    reference log-probs (parallel/dpo.py) those too."""
+    return micro_batch(*batch[:2], cfg, eos_id, device, *batch[2:])
 
 
 def document_ids(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -88,7 +104,7 @@ def check_documents(cfg: DataConfig, index: DatasetIndex, key: str = "data.path"
     masking on a dataset without a usable EOS id: none recorded (index.json `eos_id` null) or
     one outside the tokenizer's vocabulary, which no token can equal, so every window would
     silently be one document."""
-    if index.examples is not None and cfg.attention_mask != "document":
+    if index.examples is not None and not index.preference and cfg.attention_mask != "document":
         raise ConfigError(
             f"{key}: '{index.path}' holds fine-tuning examples ({index.examples['format']}), "
             f"packed several to a window; with data.attention_mask='{cfg.attention_mask}' each "

@@ -110,6 +110,12 @@ class Shard:
     num_tokens: int
     mask: Path | None = None
     """Fine-tuning examples (data/sft.py): one byte per token, 1 where it is a target."""
+    pairs: Path | None = None
+    """Preference pairs (data/preference.py): int64 rows (chosen start, rejected start,
+    rejected end, prompt tokens)."""
+    num_pairs: int = 0
+    keys: Path | None = None
+    """Preference pairs: each pair's file:LINE, one a line."""
 
 
 @dataclass(frozen=True)
@@ -132,8 +138,16 @@ class DatasetIndex:
     def num_tokens(self, split: Split) -> int:
         return sum(shard.num_tokens for shard in self.splits.get(split, []))
 
+    @property
+    def preference(self) -> bool:
+        """Preference pairs (data/preference.py): a sample is a pair, not a window."""
+        return (self.examples or {}).get("format") == "preference"
+
     def num_sequences(self, split: Split, seq_len: int) -> int:
-        """Samples of `seq_len` (+1 target) tokens in `split`; see TokenSequences."""
+        """Samples of `seq_len` (+1 target) tokens in `split`; see TokenSequences (pairs, for
+        preference pairs)."""
+        if self.preference:
+            return sum(s.num_pairs for s in self.splits.get(split, []))
         return sum(max(s.num_tokens - 1, 0) // seq_len for s in self.splits.get(split, []))
 
 
@@ -160,17 +174,18 @@ def read_index(path: str | Path, key: str = "data.path") -> DatasetIndex:
     if missing := [name for name in _INDEX_KEYS if name not in raw]:
         raise ConfigError(f"{key}: '{index_file}' has no {', '.join(missing)}; {remedy}")
     # Version 2: fine-tuning examples, whose shards carry loss masks (data/prepare.py).
-    if raw["version"] not in (1, 2) or raw["dtype"] not in ("uint16", "uint32"):
+    if raw["version"] not in (1, 2, 3) or raw["dtype"] not in ("uint16", "uint32"):
         raise ConfigError(
             f"{key}: '{index_file}' has version {raw['version']!r} and dtype "
-            f"{raw['dtype']!r}; this trainer reads versions 1 and 2 with uint16 or uint32; "
+            f"{raw['dtype']!r}; this trainer reads versions 1 to 3 with uint16 or uint32; "
             f"{remedy}"
         )
     # What tells two Hugging Face tokenizers of the same size and ids apart (open_sources).
     tokenizer = raw["tokenizer"]
     if isinstance(tokenizer, dict) and tokenizer.get("kind") == "hf" and "sha256" not in tokenizer:
         raise ConfigError(f"{key}: '{index_file}' has no tokenizer.sha256; {remedy}")
-    masked = raw["version"] == 2
+    # Version 3: preference pairs, with their pair table (data/preference.py).
+    masked, paired = raw["version"] == 2, raw["version"] == 3
     try:
         splits = {
             split: [
@@ -178,6 +193,9 @@ def read_index(path: str | Path, key: str = "data.path") -> DatasetIndex:
                     root / entry["file"],
                     int(entry["num_tokens"]),
                     root / entry["mask"] if masked else None,
+                    root / entry["pairs"] if paired else None,
+                    int(entry["num_pairs"]) if paired else 0,
+                    root / entry["keys"] if paired else None,
                 )
                 for entry in shards
             ]
@@ -191,7 +209,7 @@ def read_index(path: str | Path, key: str = "data.path") -> DatasetIndex:
             tokenizer=dict(raw["tokenizer"]),
             splits=splits,
             bos_id=None if raw["bos_id"] is None else int(raw["bos_id"]),
-            examples=dict(raw["examples"]) if masked else None,
+            examples=dict(raw["examples"]) if masked or paired else None,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         problem = f"a shard entry has no key {e}" if isinstance(e, KeyError) else str(e)
@@ -204,17 +222,19 @@ def open_dataset(path: str | Path, key: str = "data.path") -> DatasetIndex:
     itemsize = np.dtype(index.dtype).itemsize
     for shard in (shard for shards in index.splits.values() for shard in shards):
         # A mask has a byte per token: a size check finds a truncated or missing one, too.
-        for file, size in ((shard.file, itemsize), (shard.mask, 1)):
+        expected = [(shard.file, shard.num_tokens * itemsize, f"{index.dtype} tokens"),
+                    (shard.mask, shard.num_tokens, "mask bytes"),
+                    (shard.pairs, shard.num_pairs * 32, "pair rows of 32 bytes")]  # fmt: skip
+        for file, size, what in expected:
             if file is None:
                 continue
             if not file.is_file():
                 raise ConfigError(f"{key}: shard '{file}' listed in index.json is missing")
             # A size check catches a truncated copy now instead of as garbage tokens mid-run.
-            if file.stat().st_size != shard.num_tokens * size:
-                what = f"{index.dtype} tokens" if file == shard.file else "mask bytes"
+            if file.stat().st_size != size:
                 raise ConfigError(
                     f"{key}: shard '{file}' has {file.stat().st_size} bytes, index.json "
-                    f"expects {shard.num_tokens} {what}"
+                    f"expects {size} ({what})"
                 )
     return index
 
@@ -393,6 +413,7 @@ def build_dataloader(
     micro_batch_size: int,
     seed: int,
     sources: Sequence[DataSource] | None = None,
+    reference: np.ndarray | None = None,
 ) -> StatefulDataLoader:
     """An infinite loader of ``(inputs, targets)`` micro-batches, each ``[micro_batch_size,
     seq_len]`` int64, for this data-parallel rank. `sources`: as open_sources(cfg) gives them
@@ -407,11 +428,22 @@ def build_dataloader(
     batches returned, so a second ``iter(loader)`` would skip the prefetched ones; to continue
     exactly, ``loader.load_state_dict(loader.state_dict())`` first. Val: never shuffled, and
     every ``iter(loader)`` restarts at the first batch, so each evaluation sees the same data.
+
+    Preference pairs (data/preference.py) give ``(inputs, targets)`` of ``[micro_batch_size,
+    2, seq_len]`` (and, with `reference`, each pair's precomputed reference log-probabilities,
+    ``[micro_batch_size, 2]``): a sample is a pair.
     """
     sources = list(sources) if sources is not None else open_sources(cfg)
     if split == "val" and len(sources) != 1:
         raise ValueError(f"the val split reads one source, got {[s.name for s in sources]}")
-    sequences = {s.name: TokenSequences(s.index, split, cfg.seq_len) for s in sources}
+    from data.pairs import PreferencePairs
+
+    sequences = {
+        s.name: PreferencePairs(s.index, split, cfg.seq_len, reference)
+        if s.index.preference
+        else TokenSequences(s.index, split, cfg.seq_len)
+        for s in sources
+    }
     stream = GlobalStream(
         {name: len(seqs) for name, seqs in sequences.items()},
         {s.name: s.weight for s in sources},

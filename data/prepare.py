@@ -47,6 +47,7 @@ from data.inputs import (
     stdlib_dir,
 )
 from data.make_eval_task import write_task
+from data.preference import prepare_pairs
 from data.sft import KINDS, load_format
 from data.sft import PATTERN as EXAMPLE_PATTERN
 from data.sft import Kind as ExampleKind
@@ -278,7 +279,7 @@ def prepare(
     pattern: str | None = None,
     eos_token: str | None = None,
     workers: int | None = None,
-    format: Literal["text", "prompt_response", "chat"] = "text",
+    format: Literal["text", "prompt_response", "chat", "preference"] = "text",
 ) -> Path:
     """Tokenize ``inputs`` (None: the stdlib's ``*.py``) into shards under ``out_dir``.
 
@@ -292,6 +293,9 @@ def prepare(
     """
     start = time.perf_counter()
     workers = _check_numbers(val_fraction, shard_tokens, workers, tokenizer_path)
+    if format == "preference":  # pairs, not packed: their own files (data/preference.py)
+        return _prepare_pairs(inputs, Path(out_dir), tokenizer_path, val_fraction, pattern,
+                              eos_token)  # fmt: skip
     examples = None if format == "text" else format
     stdlib = not inputs
     inputs, pattern, files = _input_files(inputs, pattern, field, examples)
@@ -346,6 +350,35 @@ def prepare(
     return out
 
 
+def _prepare_pairs(
+    inputs: list[str] | None,
+    out: Path,
+    tokenizer_path: str | None,
+    val_fraction: float,
+    pattern: str | None,
+    eos_token: str | None,
+) -> Path:
+    """`--format preference`: DPO pairs, written whole into a temporary sibling of `out`,
+    then renamed (an interrupted prepare leaves no dataset, as for text)."""
+    if not inputs:
+        raise ConfigError("data prepare: --format preference needs --input (JSONL or parquet)")
+    files = find_files(inputs, pattern or f"{EXAMPLE_PATTERN},*.parquet")
+    check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        index = prepare_pairs(files, tmp, out, tokenizer_path, eos_token, val_fraction)
+        (tmp / "index.json").write_text(json.dumps(index, indent=2) + "\n")
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m data.prepare", description="Tokenize text into shards for training."
@@ -364,11 +397,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--format",
-        choices=("text", *KINDS),
+        choices=("text", *KINDS, "preference"),
         default="text",
         help="text: documents; prompt_response: JSONL {prompt, response} examples; chat: JSONL "
         "{messages} rendered with the tokenizer's chat template (or a plain one). Examples are "
-        "written with a loss mask: only response tokens are targets (docs/data.md)",
+        "written with a loss mask: only response tokens are targets; preference: JSONL or parquet "
+        "DPO pairs {prompt, chosen, rejected} in TRL's layouts (docs/data.md)",
     )
     p.add_argument(
         "--field",

@@ -55,6 +55,7 @@ from parallel.build import build_model
 from parallel.compile import CompileConfig
 from parallel.cp import check_cp
 from parallel.dims import LaunchEnv
+from parallel.dpo_reference import check_dpo
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
 from parallel.ft_config import FaultToleranceConfig, check_ft, group_folder
 from parallel.graph_fsdp import check_graph_fsdp
@@ -192,6 +193,9 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
             f"checkpoint.resume=none but run {job.run.name!r} already has checkpoints, which "
             "this run would prune (keep_last): choose another run.name or checkpoint.folder"
         )
+    run_dir = group_folder(Path(job.run.output_dir) / job.run.name, job.ft)
+    model_only = resume is not None and resume.model_only
+    check_dpo(job, sources, run_dir, resume is not None and not model_only, model_only)
     dataset = sources[0].index if sources else None
     return Plan(
         family, args, dp_replicate, dp_shard, accum, dataset, resume, tuple(changes),

@@ -24,6 +24,7 @@ from parallel.ac import ActivationCheckpointConfig
 from parallel.build import BuildSettings
 from parallel.compile import CompileConfig
 from parallel.dims import ParallelConfig
+from parallel.dpo import DPOConfig
 from parallel.float8 import Float8Config
 from parallel.ft_config import FaultToleranceConfig
 from parallel.lora import LoRAConfig
@@ -159,6 +160,7 @@ class JobConfig:
     ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     dry_run: bool = False

@@ -30,8 +30,9 @@ output in its one reduce-scatter.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from functools import partial
@@ -82,10 +83,27 @@ class LoRALayer:
     lora_b: nn.Linear
     lora_dropout: nn.Module
     lora_scale: float
+    lora_off: bool = False
+    """The base layer alone (`adapters_off`): DPO's reference without a second copy."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = super().forward(x)  # type: ignore[misc]  (the Linear class mixed with)
+        if self.lora_off:
+            return base
         return base + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.lora_scale
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """`model` as its base model (every adapter skipped) inside the block."""
+    layers = [layer for _, layer in lora_layers(model)]
+    for layer in layers:
+        layer.lora_off = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_off = False
 
 
 @functools.cache

@@ -202,9 +202,9 @@ def train_with_a_slow_rank(argv: list[str]) -> list[str]:
         # Two micro-batches per step (global 8 = 2 ranks x 2 x 2 accumulation).
         if rank == SLOW_RANK and next(calls) // 2 + 1 in SLOW_STEPS:
             time.sleep(0.15)
-        return documents.micro_batch(*args, **kwargs)
+        return documents.batch_on_device(*args, **kwargs)
 
-    train.micro_batch = slow_batch
+    train.batch_on_device = slow_batch
     assert train.main(argv) == 0
     assert "wandb" not in sys.modules  # metrics.wandb=false: never imported
     return seen

@@ -1,0 +1,182 @@
+"""Direct preference optimization (`[dpo]`): TRL's `DPOTrainer` loss, as an objective of the step.
+
+A micro-batch of preference pairs (data/pairs.py) holds each pair's chosen and rejected rows
+side by side (rows 2i and 2i + 1). A row's log-probability is the sum of its targets' log-probs
+(the completion and its EOS, TRL's `completion_mask`); the reference's comes from one of three
+places (`dpo.reference`):
+
+- ``copy``: a frozen copy of the starting weights, built by the same builder as the policy and
+  sharded like it (FSDP2), with no gradients and no optimizer state; its forward runs under
+  no_grad before the policy's.
+- ``lora``: the policy itself with its LoRA adapters switched off (parallel/lora.py
+  `adapters_off`): the base model, which LoRA leaves frozen, so no second copy exists.
+- ``precomputed``: one pass over the training pairs before the first step
+  (parallel/dpo_reference.py) writes every pair's reference log-probs to a file, which the
+  loader reads with the batch: the reference costs nothing during training.
+
+The loss per pair (beta = `dpo.beta`, d = (chosen - ref chosen) - (rejected - ref rejected)):
+
+- ``sigmoid``: -(1 - ls) log sigmoid(beta d) - ls log sigmoid(-beta d), ls =
+  `dpo.label_smoothing` (conservative DPO; at ls = 0 TRL's "sigmoid" loss exactly);
+- ``robust``: TRL's "robust" (ls the probability that a label is flipped);
+- ``ipo``: TRL's "ipo": (d' - 1 / (2 beta))^2 with d' from the log-ratios divided by each
+  completion's token count.
+
+The step divides the summed loss by the step's pairs over all ranks (`units`), so it is the
+mean over the global batch's pairs, as TRL's `per_sequence_loss.mean()`, on any mesh and with
+any accumulation. The statistics (TRL's metrics) are sums over pairs, divided by the pairs
+counted with them at the log step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from configs import ConfigError
+from data.documents import MicroBatch
+
+LossType = Literal["sigmoid", "robust", "ipo"]
+Reference = Literal["copy", "lora", "precomputed"]
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected")  # fmt: skip
+
+
+@dataclass
+class DPOConfig:
+    """`[dpo]`: train on preference pairs with DPO instead of the cross-entropy."""
+
+    enabled: bool = False
+    """Train with DPO (needs a dataset of preference pairs: data.prepare --format preference)."""
+    beta: float = 0.1
+    """How far the policy may move from the reference (TRL's beta; IPO's tau); > 0."""
+    loss_type: LossType = "sigmoid"
+    """'sigmoid' (DPO), 'robust' (robust DPO) or 'ipo' (IPO), as TRL computes them."""
+    label_smoothing: float = 0.0
+    """sigmoid: conservative DPO's label smoothing; robust: the chance a label is flipped;
+    in [0, 0.5)."""
+    reference: Reference = "copy"
+    """Where the reference log-probs come from: 'copy' (a frozen, sharded copy of the starting
+    weights), 'lora' (the policy with its adapters off; needs [lora]) or 'precomputed' (one
+    pass over the pairs before training, read with the batch)."""
+    reference_path: str = ""
+    """precomputed: the file of reference log-probs (.npy, a .json fingerprint beside it);
+    default: reference_logps.npy in the run folder. An existing one is checked, not rewritten."""
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ConfigError(f"dpo.beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.loss_type == "ipo" and self.label_smoothing:
+            raise ConfigError("dpo.label_smoothing applies to loss_type 'sigmoid' and 'robust', not 'ipo'")
+
+
+def sequence_logps(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's summed log-probability of its targets (NO_TARGET positions add 0), float32.
+    At tp > 1, under loss_context, `out` is the logits split over the vocabulary."""
+    nll = F.cross_entropy(out.flatten(0, 1).float(), targets.flatten(), reduction="none")
+    if isinstance(nll, DTensor):
+        nll = nll.full_tensor()
+    return -nll.view(targets.shape).sum(dim=1)
+
+
+def dpo_losses(
+    logps: torch.Tensor,
+    reference: torch.Tensor,
+    lengths: torch.Tensor,
+    cfg: DPOConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per pair losses and the summed statistics (METRICS, then the pair count) of rows
+    (chosen, rejected, chosen, ...) with their reference log-probs and target counts."""
+    chosen, rejected = logps[0::2], logps[1::2]
+    chosen_ratio = chosen - reference[0::2]
+    rejected_ratio = rejected - reference[1::2]
+    delta = chosen_ratio - rejected_ratio
+    beta, ls = cfg.beta, cfg.label_smoothing
+    if cfg.loss_type == "sigmoid":
+        losses = -(1 - ls) * F.logsigmoid(beta * delta) - ls * F.logsigmoid(-beta * delta)
+    elif cfg.loss_type == "robust":
+        clean = -(1 - ls) * F.logsigmoid(beta * delta)
+        flipped = -ls * F.logsigmoid(-beta * delta)
+        losses = (clean - flipped) / (1 - 2 * ls)
+    else:  # ipo: the log-ratios per completion token (TRL's normalization)
+        per_token = chosen_ratio / lengths[0::2].clamp(min=1) - rejected_ratio / lengths[
+            1::2
+        ].clamp(min=1)
+        losses = (per_token - 1 / (2 * beta)) ** 2
+    with torch.no_grad():
+        chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
+        stats = torch.stack([
+            chosen_rewards.sum(), rejected_rewards.sum(),
+            (chosen_rewards > rejected_rewards).float().sum(),
+            (chosen_rewards - rejected_rewards).sum(), chosen.sum(), rejected.sum(),
+            torch.tensor(float(len(chosen)), device=logps.device),
+        ]).float()  # fmt: skip
+    return losses, stats
+
+
+class DPOTerms:
+    """The step statistics of DPO (model.StepTerms): TRL's metrics over the step's pairs."""
+
+    def __init__(self) -> None:
+        self.pending: torch.Tensor | None = None
+        self.since_log: torch.Tensor | None = None
+
+    def collect(self, sequences: int) -> tuple[None, torch.Tensor]:
+        stats, self.pending = self.pending, None
+        assert stats is not None, "DPOTerms.collect before the objective's forward"
+        return None, stats
+
+    def after_step(self, stats: torch.Tensor, log: bool) -> dict[str, float]:
+        # Means over the pairs of every step since the last log (TRL averages its logging
+        # interval's steps, each a mean over the same number of pairs).
+        self.since_log = stats if self.since_log is None else self.since_log + stats
+        if not log:
+            return {}
+        total, self.since_log = self.since_log.tolist(), None
+        return {name: value / total[-1] for name, value in zip(METRICS, total, strict=False)}
+
+
+class DPOLoss:
+    """The DPO objective (parallel/objective.py `Objective`): summed over a micro-batch's pairs,
+    normalized by the step's pairs. `reference_model`: the frozen copy (`dpo.reference =
+    'copy'`); with 'lora' the policy runs with its adapters off; with 'precomputed' the batch
+    brings the values."""
+
+    def __init__(self, cfg: DPOConfig, reference_model: nn.Module | None = None) -> None:
+        self.cfg, self.reference_model = cfg, reference_model
+        self.terms = DPOTerms()
+
+    def units(self, batch: MicroBatch) -> torch.Tensor:
+        return torch.tensor(batch.inputs.shape[0] // 2, device=batch.inputs.device)
+
+    @torch.no_grad()
+    def reference_logps(self, model: nn.Module, batch: MicroBatch) -> torch.Tensor:
+        """The rows' log-probs under the reference: the copy, or `model` without adapters."""
+        from parallel.lora import adapters_off
+
+        if self.cfg.reference == "copy":
+            assert self.reference_model is not None
+            model, context = self.reference_model, contextlib.nullcontext()
+        else:
+            context = adapters_off(model)
+        with context:
+            out = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions)
+        return sequence_logps(out, batch.targets)
+
+    def __call__(self, model: nn.Module, batch: MicroBatch) -> torch.Tensor:
+        reference = batch.reference
+        if reference is None:  # before the policy's forward: its activations wait for backward
+            reference = self.reference_logps(model, batch)
+        out = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions)
+        logps = sequence_logps(out, batch.targets)
+        lengths = (batch.targets != -100).sum(dim=1)
+        losses, self.terms.pending = dpo_losses(logps, reference.to(logps.dtype), lengths, self.cfg)
+        return losses.sum()

@@ -1,0 +1,195 @@
+"""DPO's reference, built and checked: the objective of a run, the precomputed pass and its
+fingerprint (parallel/dpo.py has the loss and the three kinds of reference).
+
+`dpo.reference = "precomputed"`: before the first step, every rank scores its share of the
+training pairs with the starting model (adapters off), the shares are summed over the ranks
+(each pair scored on one rank, zeros elsewhere: exact), and rank 0 writes them to
+`dpo.reference_path` (default: reference_logps.npy in the run folder) with a JSON fingerprint
+beside it: the dataset's sha256 (data/preference.py), `data.seq_len` (the truncation) and what
+the starting weights are (the family, its shape, the dtype, and the seed or the Hugging Face
+files). A later start or a resume reads the file instead, after `check_reference` compared the
+fingerprints before any process group exists: log-probs of another model or dataset are one
+`config error:` line, never a silently wrong loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from configs import ConfigError
+from parallel.dpo import DPOConfig, DPOLoss
+from parallel.objective import LossFn, Objective, TokenLoss
+from parallel.tp import loss_context
+
+if TYPE_CHECKING:
+    from data.loader import DatasetIndex
+
+logger = logging.getLogger(__name__)
+FILE = "reference_logps.npy"
+
+
+def build_objective(cfg: DPOConfig, loss_fn: LossFn, copy: Callable[[], nn.Module]) -> Objective:
+    """The run's objective: the cross-entropy, or DPO (with `copy()`, the frozen reference
+    model, built only for dpo.reference = 'copy')."""
+    if not cfg.enabled:
+        return TokenLoss(loss_fn)
+    return DPOLoss(cfg, copy() if cfg.reference == "copy" else None)
+
+
+def reference_path(cfg: DPOConfig, run_dir: Path) -> Path:
+    return Path(cfg.reference_path) if cfg.reference_path else run_dir / FILE
+
+
+def fingerprint(job: Any, index: DatasetIndex) -> dict[str, Any]:
+    """What the precomputed log-probs depend on (see the module docstring)."""
+    start: dict[str, Any] = {"seed": job.train.seed}
+    if job.checkpoint.init_from_hf:  # the files' sizes and their headers (names, shapes)
+        files = sorted(Path(job.checkpoint.init_from_hf).glob("*.safetensors"))
+        start = {f.name: _file_digest(f) for f in files}
+    model = {"name": job.model.name, "flavor": job.model.flavor, "dtype": job.parallel.param_dtype}
+    return {
+        "dataset": (index.examples or {}).get("sha256"),
+        "seq_len": job.data.seq_len,
+        "model": model | {"overrides": {k: v for k, v in asdict(job.model).items() if v is not None}},
+        "start": start,
+    }
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a file's size and its first and last MiB (a whole hash of a large model's
+    files would take minutes at every start; another model's differ there)."""
+    digest, size = hashlib.sha256(str(path.stat().st_size).encode()), path.stat().st_size
+    with path.open("rb") as f:
+        digest.update(f.read(2**20))
+        f.seek(max(size - 2**20, 0))
+        digest.update(f.read(2**20))
+    return digest.hexdigest()
+
+
+def check_reference(job: Any, index: DatasetIndex, run_dir: Path, resuming: bool) -> None:
+    """ConfigError, before any process group, when the precomputed reference cannot be used:
+    its fingerprint is another model's or dataset's, or a resume finds none (the pass would
+    score the resumed weights, not the starting ones)."""
+    cfg = job.dpo
+    if not (cfg.enabled and cfg.reference == "precomputed"):
+        return
+    path = reference_path(cfg, run_dir)
+    sidecar = path.with_suffix(".json")
+    if not path.is_file() or not sidecar.is_file():
+        if resuming:
+            raise ConfigError(
+                f"dpo.reference_path: the resumed run has no precomputed reference at '{path}' "
+                "(it is written at the first start): restore the file, or start a new run"
+            )
+        return
+    theirs = json.loads(sidecar.read_text())
+    mine = fingerprint(job, index)
+    if differ := [k for k in mine if theirs.get(k) != mine[k]]:
+        raise ConfigError(
+            f"dpo.reference_path: '{path}' holds reference log-probs of another "
+            f"{' and '.join(differ)} than this run's (fingerprint in {sidecar.name}): delete it "
+            "or name another file, and one pass over the pairs will write it anew"
+        )
+
+
+def reference_for_loader(run: Any, run_dir: Path) -> np.ndarray | None:
+    """Every training pair's reference log-probs (pairs, 2) for the loader: read, or computed
+    now by one pass and written (dpo.reference = 'precomputed'); None for the other objectives."""
+    cfg = run.job.dpo
+    if not (cfg.enabled and cfg.reference == "precomputed"):
+        return None
+    path = reference_path(cfg, run_dir)
+    if path.is_file() and path.with_suffix(".json").is_file():  # checked by check_reference
+        return np.load(path)
+    values = precompute(run)
+    if run.env.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp.npy")
+        np.save(tmp, values)
+        tmp.replace(path)
+        sidecar = json.dumps(fingerprint(run.job, run.plan.dataset), indent=2) + "\n"
+        path.with_suffix(".json").write_text(sidecar)
+        logger.info("dpo: reference log-probs of %d pairs written to %s", len(values), path)
+    return values
+
+
+@torch.no_grad()
+def precompute(run: Any) -> np.ndarray:
+    """One pass of the starting model over the training pairs: each data-parallel rank scores
+    contiguous slices of micro_batch_size pairs, in as many forwards as every other rank."""
+    from data.pairs import PreferencePairs
+
+    pairs = PreferencePairs(run.plan.dataset, "train", run.job.data.seq_len)
+    n, rows, tp = len(pairs), run.job.train.micro_batch_size, run.plan.tp
+    total = torch.zeros(n, 2, dtype=torch.float64, device=run.device)
+    objective: DPOLoss = run.objective
+    for step in range(math.ceil(n / (rows * run.dp_size))):
+        first = (step * run.dp_size + run.dp_rank) * rows
+        ids = torch.arange(first, first + rows)
+        items = [pairs[i if i < n else 0] for i in ids.tolist()]  # past the end: scored, dropped
+        batch = run.to_batch(torch.stack([x for x, _ in items]), torch.stack([y for _, y in items]))
+        with loss_context(tp):
+            logps = objective.reference_logps(run.model, batch).view(rows, 2).double()
+        keep = ids < n
+        total.index_add_(0, ids[keep].to(run.device), logps[keep.to(run.device)])
+    # Each pair was scored on one data-parallel rank (zeros elsewhere); its tp ranks scored it
+    # alike: / tp.
+    dist.all_reduce(total)
+    return (total / tp).cpu().numpy()
+
+
+def check_dpo(job: Any, sources: tuple, run_dir: Path, resuming: bool, model_only: bool) -> None:
+    """ConfigError, before any process group, for DPO with what it cannot train on: a dataset
+    that is not preference pairs (or pairs without dpo.enabled), a mixture of pairs, a prompt
+    that fills data.seq_len, the LoRA reference without [lora], a parallelism it does not
+    support yet, and a precomputed reference that is not this run's."""
+    from data.pairs import check_pairs
+
+    cfg, preference = job.dpo, [s for s in sources if s.index.preference]
+    if not cfg.enabled:
+        if preference:
+            raise ConfigError(
+                f"{preference[0].key}: '{preference[0].index.path}' holds preference pairs: "
+                "train on them with dpo.enabled=true"
+            )
+        return
+    if not sources:  # a dry run without the data
+        return
+    if len(sources) > 1 or not preference:
+        what = (sources[0].index.examples or {}).get("format", "documents")
+        raise ConfigError(
+            f"dpo.enabled needs one dataset of preference pairs (python -m data.prepare "
+            f"--format preference), but {sources[0].key} holds {what}"
+            + (f" ({len(sources)} sources)" if len(sources) > 1 else "")
+        )
+    if cfg.reference == "lora" and not job.lora.enabled:
+        raise ConfigError(
+            "dpo.reference='lora' is the model with its adapters off, but lora.enabled=false: "
+            "enable [lora], or use dpo.reference='copy' or 'precomputed'"
+        )
+    p = job.parallel
+    unsupported = {"parallel.pp > 1": p.pp > 1, "parallel.cp > 1": p.cp > 1,
+                   "train.loss_chunk_tokens": bool(job.train.loss_chunk_tokens),
+                   "ft.enabled": job.ft.enabled}  # fmt: skip
+    if names := [name for name, on in unsupported.items() if on]:
+        raise ConfigError(f"dpo.enabled does not support {', '.join(names)} yet")
+    if model_only and cfg.reference != "lora":
+        raise ConfigError(
+            f"dpo.reference='{cfg.reference}' starts from checkpoint.init_from_hf or the seed, "
+            "not a checkpoint's weights (checkpoint.load_model_only): export the checkpoint and "
+            "start from the export with checkpoint.init_from_hf"
+        )
+    check_pairs(sources[0].index, job.data.seq_len, sources[0].key)
+    check_reference(job, sources[0].index, run_dir, resuming)
