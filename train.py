@@ -644,6 +644,7 @@ def accumulate(
             extra, extra_stats = run.built.collect(t.global_batch_size)
             if extra is not None:
                 objective = objective + extra * dp_size * cp
+            if extra_stats is not None:  # DPO's rewards come with no extra loss
                 stats = extra_stats if stats is None else stats + extra_stats
             run.heartbeat.beat(step, "backward")
             objective.backward()

@@ -67,7 +67,9 @@ def check_pair(record: Any, where: str) -> bool:
         )
     for f in FIELDS:
         for i, m in enumerate(record[f]):
-            if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
+            if not isinstance(m, dict) or not all(
+                isinstance(m.get(k), str) for k in ("role", "content")
+            ):
                 raise ConfigError(
                     f"data prepare: {where}: {f} message {i} is not an object with string "
                     "'role' and 'content'"

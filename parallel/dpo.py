@@ -73,9 +73,13 @@ class DPOConfig:
         if not self.beta > 0:
             raise ConfigError(f"dpo.beta must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+            raise ConfigError(
+                f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}"
+            )
         if self.loss_type == "ipo" and self.label_smoothing:
-            raise ConfigError("dpo.label_smoothing applies to loss_type 'sigmoid' and 'robust', not 'ipo'")
+            raise ConfigError(
+                "dpo.label_smoothing applies to loss_type 'sigmoid' and 'robust', not 'ipo'"
+            )
 
 
 def sequence_logps(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

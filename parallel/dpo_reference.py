@@ -62,7 +62,8 @@ def fingerprint(job: Any, index: DatasetIndex) -> dict[str, Any]:
     return {
         "dataset": (index.examples or {}).get("sha256"),
         "seq_len": job.data.seq_len,
-        "model": model | {"overrides": {k: v for k, v in asdict(job.model).items() if v is not None}},
+        "model": model
+        | {"overrides": {k: v for k, v in asdict(job.model).items() if v is not None}},
         "start": start,
     }
 

@@ -1,0 +1,140 @@
+"""DPO (`[dpo]`, parallel/dpo.py): TRL's numbers, on every mesh, with each reference.
+
+The model and pairs are docs/examples/preferences.py's; TRL's numbers are
+tests/golden/dpo_trl.json (tests/golden/dpo_trl.py), or TRL itself where it is installed
+(`pip install -e ".[trl]"`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "golden"))
+import dpo_trl  # noqa: E402
+
+METRICS = ("loss/train", "grad_norm", *dpo_trl.METRICS)
+
+
+@pytest.fixture(scope="module")
+def prefs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The golden's model and pairs, and the pairs prepared (byte tokenizer, all in train)."""
+    pytest.importorskip("transformers")
+    from data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("prefs")
+    model_dir, pairs_file = dpo_trl.make_inputs(out)
+    data = prepare([str(pairs_file)], out / "data", val_fraction=0.0, format="preference")
+    return {"model": model_dir, "pairs": pairs_file, "data": data, "out": out}
+
+
+def dpo_argv(prefs: dict[str, Path], out: Path, case: str, *extra: str) -> list[str]:
+    """The trainer's settings of the golden's `case` (tests/golden/dpo_trl.py)."""
+    s, c = dpo_trl.SETTINGS, dpo_trl.CASES[case]
+    return [
+        f"--data.path={prefs['data']}", f"--run.output_dir={out}", f"--run.name={case}",
+        f"--checkpoint.init_from_hf={prefs['model']}", "--model.dim=64", "--model.n_layers=2",
+        "--model.n_heads=4", "--model.n_kv_heads=2", "--model.vocab_size=258",
+        "--parallel.param_dtype=float32", f"--data.seq_len={s['seq_len']}", "--data.shuffle=false",
+        f"--train.global_batch_size={s['batch']}", f"--train.steps={s['steps']}",
+        f"--optim.lr={s['lr']}", "--optim.warmup_steps=0", "--optim.decay=constant",
+        "--optim.weight_decay=0", "--optim.beta2=0.999", "--optim.eps=1e-8",
+        f"--train.max_grad_norm={s['max_grad_norm']}", "--train.eval_interval=0",
+        "--metrics.tensorboard=true", "--metrics.log_interval=1", "--checkpoint.interval=0",
+        "--dpo.enabled=true", f"--dpo.loss_type={c['loss_type']}", f"--dpo.beta={c['beta']}",
+        f"--dpo.label_smoothing={c['label_smoothing']}", *extra,
+    ]  # fmt: skip
+
+
+def train_runs(runs: list[list[str]]) -> list[list[dict[str, float]]]:
+    """Each run's logged scalars (METRICS) per step, read back from TensorBoard (rank 0 writes
+    them; every rank returns them). Several runs in one spawn: each its own process group."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from configs import parse_config
+    from launch.job import JobConfig
+    from tests.test_train import train_losses
+
+    results, port = [], int(os.environ["MASTER_PORT"])
+    for i, argv in enumerate(runs):
+        # A store of its own per run: the last run's may live on in DTensor's caches.
+        os.environ["MASTER_PORT"] = str(port + i)
+        losses = train_losses(argv)
+        job = parse_config(JobConfig, argv)
+        events = EventAccumulator(str(Path(job.run.output_dir) / job.run.name / "tensorboard"))
+        events.Reload()
+        steps = [{"loss/train": loss} for loss in losses]
+        for name in METRICS[1:]:
+            for step, event in zip(steps, events.Scalars(name), strict=True):
+                step[name] = event.value
+        results.append(steps)
+    return results
+
+
+def trl_steps(prefs: dict[str, Path], case: str) -> list[dict[str, float]]:
+    """TRL's numbers for `case`: TRL itself where it is installed, else the golden file."""
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return json.loads(dpo_trl.GOLDEN.read_text())["steps"][case]
+    return dpo_trl.run_trl(prefs["model"], prefs["pairs"], dpo_trl.CASES[case],
+                           prefs["out"] / f"trl-{case}")  # fmt: skip
+
+
+def assert_trl(ours: list[dict[str, float]], theirs: list[dict[str, float]]) -> None:
+    assert len(ours) == len(theirs) == dpo_trl.SETTINGS["steps"]
+    for step, (mine, trl) in enumerate(zip(ours, theirs, strict=True), start=1):
+        for name in METRICS:
+            expected = trl["loss" if name == "loss/train" else name]
+            assert mine[name] == pytest.approx(expected, rel=1e-5, abs=1e-5), (step, name)
+
+
+def test_first_steps_match_trl(prefs: dict[str, Path], tmp_path: Path) -> None:
+    """Two steps' loss, gradient norm and TRL's six metrics equal TRL's DPOTrainer on the same
+    model and pairs (fp32, 1e-5), for the sigmoid, IPO and robust (label smoothing) losses."""
+    cases = list(dpo_trl.CASES)
+    runs = [dpo_argv(prefs, tmp_path, case) for case in cases]
+    [ours] = run_distributed(train_runs, 1, runs)
+    for case, mine in zip(cases, ours, strict=True):
+        assert_trl(mine, trl_steps(prefs, case))
+
+
+def test_meshes_and_references_agree(prefs: dict[str, Path], tmp_path: Path) -> None:
+    """FSDP over 2 ranks with 2 micro-batches each gives TRL's numbers (the copy reference and
+    the precomputed one); with LoRA, the three references give the same losses (fp32, 1e-5)."""
+    lora = ["--lora.enabled=true", "--lora.targets=*.attention.*,*.feed_forward.*"]
+    accum = "--train.micro_batch_size=2"
+    runs = [
+        dpo_argv(prefs, tmp_path / "copy", "sigmoid", accum),
+        dpo_argv(prefs, tmp_path / "pre", "sigmoid", accum, "--dpo.reference=precomputed"),
+        *(dpo_argv(prefs, tmp_path / ref, "sigmoid", accum, *lora, f"--dpo.reference={ref}")
+          for ref in ("lora", "copy", "precomputed")),
+    ]  # fmt: skip
+    copy, pre, *with_lora = run_distributed(train_runs, 2, runs)[0]
+    theirs = trl_steps(prefs, "sigmoid")
+    assert_trl(copy, theirs)
+    assert_trl(pre, theirs)
+    assert (tmp_path / "pre" / "sigmoid" / "reference_logps.npy").is_file()
+    losses = [[step["loss/train"] for step in run] for run in with_lora]
+    assert losses[0][1] != losses[0][0]  # the adapters trained
+    for other in losses[1:]:
+        torch.testing.assert_close(torch.tensor(other), torch.tensor(losses[0]), rtol=1e-5,
+                                   atol=1e-5)  # fmt: skip
+
+
+def check(prefs: dict[str, Path], out: Path, *extra: str) -> Any:
+    from configs import parse_config
+    from launch.check import check_config
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+
+    job = parse_config(JobConfig, dpo_argv(prefs, out, "sigmoid", *extra))
+    return check_config(job, LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1))
