@@ -127,7 +127,9 @@ def read_pairs(files: list[tuple[Path, str]]) -> Iterator[tuple[str, dict]]:
             try:
                 rows = pq.read_table(path).to_pylist()
             except Exception as e:  # pyarrow's errors on a damaged file
-                raise ConfigError(f"data prepare: '{path}' is not a readable parquet file ({e})")
+                raise ConfigError(
+                    f"data prepare: '{path}' is not a readable parquet file ({e})"
+                ) from e
             for row, record in enumerate(rows, start=1):
                 check_pair(record, f"{path}:{row}")
                 yield f"{key}:{row}", record
