@@ -10,7 +10,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -72,8 +71,8 @@ def train_runs(runs: list[list[str]]) -> list[list[dict[str, float]]]:
         events = EventAccumulator(str(Path(job.run.output_dir) / job.run.name / "tensorboard"))
         events.Reload()
         steps = [{"loss/train": loss} for loss in losses]
-        for name in METRICS[1:]:
-            for step, event in zip(steps, events.Scalars(name), strict=True):
+        for name in METRICS[1:]:  # after a resume, the steps this run took are the last ones
+            for step, event in zip(steps, events.Scalars(name)[-len(steps) :], strict=True):
                 step[name] = event.value
         results.append(steps)
     return results
@@ -107,6 +106,7 @@ def test_first_steps_match_trl(prefs: dict[str, Path], tmp_path: Path) -> None:
         assert_trl(mine, trl_steps(prefs, case))
 
 
+@pytest.mark.slow
 def test_meshes_and_references_agree(prefs: dict[str, Path], tmp_path: Path) -> None:
     """FSDP over 2 ranks with 2 micro-batches each gives TRL's numbers (the copy reference and
     the precomputed one); with LoRA, the three references give the same losses (fp32, 1e-5)."""
@@ -130,11 +130,57 @@ def test_meshes_and_references_agree(prefs: dict[str, Path], tmp_path: Path) -> 
                                    atol=1e-5)  # fmt: skip
 
 
-def check(prefs: dict[str, Path], out: Path, *extra: str) -> Any:
-    from configs import parse_config
-    from launch.check import check_config
-    from launch.job import JobConfig
-    from parallel.dims import LaunchEnv
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "nodes", "mesh"),
+    [
+        pytest.param(4, 1, [], id="fsdp-1x4", marks=pytest.mark.drill),
+        pytest.param(4, 2, ["--parallel.dp_replicate=2"], id="hsdp-2x2"),
+        pytest.param(2, 1, ["--parallel.tp=2"], id="tp-2", marks=pytest.mark.drill),
+    ],
+)
+def test_every_mesh_matches_trl(
+    prefs: dict[str, Path], tmp_path: Path, world: int, nodes: int, mesh: list[str]
+) -> None:
+    """FSDP 1x4 and HSDP 2x2 with 2 micro-batches each, and tp 2: TRL's numbers (fp32, 1e-5),
+    with the frozen copy and the precomputed reference."""
+    accum = ["--train.micro_batch_size=1"] if world == 4 else []
+    runs = [dpo_argv(prefs, tmp_path / ref, "sigmoid", *mesh, *accum, f"--dpo.reference={ref}")
+            for ref in ("copy", "precomputed")]  # fmt: skip
+    for run in run_distributed(train_runs, world, runs, nodes=nodes)[0]:
+        assert_trl(run, trl_steps(prefs, "sigmoid"))
 
-    job = parse_config(JobConfig, dpo_argv(prefs, out, "sigmoid", *extra))
-    return check_config(job, LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1))
+
+@pytest.mark.slow
+def test_resume_is_exact_and_exports_merged_and_as_peft(
+    prefs: dict[str, Path], tmp_path: Path
+) -> None:
+    """LoRA with the precomputed reference on 2 ranks: stopped at step 2 and resumed, the
+    losses are the straight run's, bitwise (the reference read back, checked by its
+    fingerprint); the export, merged or as PEFT adapters, gives transformers the trained
+    model's logits (fp32, 1e-5)."""
+    transformers = pytest.importorskip("transformers")
+    from checkpoint.export import load_checkpoint_model, main
+
+    lora = ["--lora.enabled=true", "--lora.targets=*.attention.*,*.feed_forward.*",
+            "--dpo.reference=precomputed", "--train.micro_batch_size=2"]  # fmt: skip
+    straight = dpo_argv(prefs, tmp_path / "straight", "sigmoid", *lora, "--train.steps=4")
+    half = dpo_argv(prefs, tmp_path / "half", "sigmoid", *lora, "--checkpoint.interval=2")
+    resumed = [*half, "--train.steps=4"]
+    runs = run_distributed(train_runs, 2, [straight, half, resumed])[0]
+    losses = [[step["loss/train"] for step in run] for run in runs]
+    assert losses[1] + losses[2] == losses[0]
+    step = tmp_path / "half" / "sigmoid" / "checkpoints" / "step-4"
+    ours = load_checkpoint_model(step, rope_len=32)
+    ids = torch.tensor([list(b"12+34=46") + [257], list(b"99+10=109")])
+    with torch.no_grad():
+        expected = ours(ids)
+    assert main([str(step), str(tmp_path / "merged"), "--dtype", "float32"]) == 0
+    merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert main([str(step), str(tmp_path / "adapters"), "--adapters-only"]) == 0
+    peft = pytest.importorskip("peft")
+    base = transformers.LlamaForCausalLM.from_pretrained(prefs["model"], dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(adapted(ids).logits, expected, rtol=1e-5, atol=1e-5)
