@@ -717,7 +717,9 @@ def loop(
     # W&B starts a new run in the run's group.
     metrics = MetricsLogger(job.metrics, job.run.name, run_dir, run.env, t.steps,
                             start_step=progress.step, config=asdict(job))  # fmt: skip
-    meter, tokens_per_step = throughput_meter(run), t.global_batch_size * job.data.seq_len
+    # Each sample of the stream is `rows` sequences (a preference pair: two).
+    rows = t.global_batch_size * run.objective.rows_per_sample
+    meter, tokens_per_step = throughput_meter(run), rows * job.data.seq_len
     timer, end = Timer(run.device), LoopEnd()
     stragglers = StragglerMeter(job.health, run.device, run.env.rank, run.env.world_size)
     beat = run.heartbeat.beat

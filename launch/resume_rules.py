@@ -23,12 +23,14 @@ logger = logging.getLogger(__name__)
 
 # What a resume may change: everything not listed here is applied (and listed in the log).
 # These would change the model's math, what trains (the optimizer holds state for exactly the
-# trainable parameters), the optimizer (Muon's momentum is not AdamW's moments) or the data
+# trainable parameters), the optimizer (Muon's momentum is not AdamW's moments), the objective
+# (dpo.enabled: the cross-entropy or DPO) or the data
 # stream under a running optimizer, so a resume that changes
 # them is an error (start a new run, or fine-tune with load_model_only). lora.dropout may change.
 RESUME_FIXED = ("data.path", "data.seq_len", "data.num_workers", "data.attention_mask",
                 "data.document_positions", "train.seed", "train.freeze", "lora.enabled",
-                "lora.rank", "lora.alpha", "lora.targets", "optim.name")  # fmt: skip
+                "lora.rank", "lora.alpha", "lora.targets", "optim.name",
+                "dpo.enabled")  # fmt: skip
 # Not settings of the run's math: where it lives and how it was started.
 RESUME_IGNORED = ("run.", "dry_run", "checkpoint.resume", "checkpoint.load_model_only",
                   "checkpoint.init_from_hf")  # fmt: skip

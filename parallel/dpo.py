@@ -154,6 +154,8 @@ class DPOLoss:
     'copy'`); with 'lora' the policy runs with its adapters off; with 'precomputed' the batch
     brings the values."""
 
+    rows_per_sample = 2  # chosen, rejected
+
     def __init__(self, cfg: DPOConfig, reference_model: nn.Module | None = None) -> None:
         self.cfg, self.reference_model = cfg, reference_model
         self.terms = DPOTerms()

@@ -27,6 +27,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class Objective(Protocol):
     terms: StepTerms | None
     """Its statistics (None: none)."""
+    rows_per_sample: int
+    """Sequences in each sample of the stream (a preference pair: 2), for tokens/s."""
 
     def units(self, batch: MicroBatch) -> torch.Tensor:
         """What the step's loss is a mean over, in this micro-batch (a 0-d tensor)."""
@@ -57,6 +59,7 @@ class TokenLoss:
     """The cross-entropy, a mean over the step's target tokens (the default objective)."""
 
     terms: StepTerms | None = None
+    rows_per_sample = 1
 
     def __init__(self, loss_fn: LossFn) -> None:
         self.loss_fn = loss_fn
