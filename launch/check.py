@@ -55,7 +55,7 @@ from parallel.build import build_model
 from parallel.compile import CompileConfig
 from parallel.cp import check_cp
 from parallel.dims import LaunchEnv
-from parallel.dpo_reference import check_dpo
+from parallel.dpo_reference import check_dpo, check_dpo_data
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
 from parallel.ft_config import FaultToleranceConfig, check_ft, group_folder
 from parallel.graph_fsdp import check_graph_fsdp
@@ -146,6 +146,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     present = bool(paths) and all(Path(path).exists() for path in paths)
     sources = () if job.dry_run and not present else tuple(open_sources(job.data))
     if sources:
+        check_dpo_data(job, sources)  # DPO's pairs: before the checks of other datasets
         check_dataset(job, args, sources)
     tasks = check_tasks(job, sources)
     if job.parallel.device == "cuda" and not torch.cuda.is_available():

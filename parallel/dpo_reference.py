@@ -151,30 +151,36 @@ def precompute(run: Any) -> np.ndarray:
     return (total / tp).cpu().numpy()
 
 
-def check_dpo(job: Any, sources: tuple, run_dir: Path, resuming: bool, model_only: bool) -> None:
-    """ConfigError, before any process group, for DPO with what it cannot train on: a dataset
-    that is not preference pairs (or pairs without dpo.enabled), a mixture of pairs, a prompt
-    that fills data.seq_len, the LoRA reference without [lora], a parallelism it does not
-    support yet, and a precomputed reference that is not this run's."""
-    from data.pairs import check_pairs
-
-    cfg, preference = job.dpo, [s for s in sources if s.index.preference]
-    if not cfg.enabled:
+def check_dpo_data(job: Any, sources: tuple) -> None:
+    """ConfigError for DPO on a dataset that is not preference pairs (or a mixture), and for
+    pairs without dpo.enabled: first of the data's checks, whose advice (document masking for
+    examples, say) would otherwise answer the wrong question."""
+    preference = [s for s in sources if s.index.preference]
+    if not job.dpo.enabled:
         if preference:
             raise ConfigError(
                 f"{preference[0].key}: '{preference[0].index.path}' holds preference pairs: "
                 "train on them with dpo.enabled=true"
             )
         return
-    if not sources:  # a dry run without the data
-        return
-    if len(sources) > 1 or not preference:
+    if sources and (len(sources) > 1 or not preference):
         what = (sources[0].index.examples or {}).get("format", "documents")
         raise ConfigError(
             f"dpo.enabled needs one dataset of preference pairs (python -m data.prepare "
             f"--format preference), but {sources[0].key} holds {what}"
             + (f" ({len(sources)} sources)" if len(sources) > 1 else "")
         )
+
+
+def check_dpo(job: Any, sources: tuple, run_dir: Path, resuming: bool, model_only: bool) -> None:
+    """ConfigError, before any process group, for DPO with what it cannot train on (after
+    `check_dpo_data`): a prompt that fills data.seq_len, the LoRA reference without [lora], a
+    parallelism it does not support yet, and a precomputed reference that is not this run's."""
+    from data.pairs import check_pairs
+
+    cfg = job.dpo
+    if not cfg.enabled:
+        return
     if cfg.reference == "lora" and not job.lora.enabled:
         raise ConfigError(
             "dpo.reference='lora' is the model with its adapters off, but lora.enabled=false: "
@@ -192,5 +198,6 @@ def check_dpo(job: Any, sources: tuple, run_dir: Path, resuming: bool, model_onl
             "not a checkpoint's weights (checkpoint.load_model_only): export the checkpoint and "
             "start from the export with checkpoint.init_from_hf"
         )
-    check_pairs(sources[0].index, job.data.seq_len, sources[0].key)
-    check_reference(job, sources[0].index, run_dir, resuming)
+    if sources:  # a dry run may have no data
+        check_pairs(sources[0].index, job.data.seq_len, sources[0].key)
+        check_reference(job, sources[0].index, run_dir, resuming)

@@ -136,8 +136,11 @@ def test_dpo_needs_pairs_and_pairs_need_dpo(tmp_path: Path) -> None:
     text = prepare([str(write(tmp_path / "t.jsonl", [{"text": "hello world " * 20}]))],
                    tmp_path / "text", val_fraction=0.0)  # fmt: skip
     base_argv = base(tmp_path)
-    with pytest.raises(ConfigError, match="dpo.enabled needs one dataset of preference pairs"):
-        check([*base_argv, f"--data.path={text}", "--dpo.enabled=true"])
+    sft = prepare([str(write(tmp_path / "e.jsonl", [{"prompt": "1+1=", "response": "2"}]))],
+                  tmp_path / "sft", val_fraction=0.0, format="prompt_response")  # fmt: skip
+    for data, what in ((text, "holds documents"), (sft, "holds prompt_response")):
+        with pytest.raises(ConfigError, match=f"needs one dataset of preference pairs .* {what}"):
+            check([*base_argv, f"--data.path={data}", "--dpo.enabled=true"])
     with pytest.raises(ConfigError, match="holds preference pairs: train on them with dpo"):
         check([*base_argv, f"--data.path={pairs}"])
 
