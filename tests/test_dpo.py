@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import _free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "golden"))
@@ -53,19 +53,19 @@ def dpo_argv(prefs: dict[str, Path], out: Path, case: str, *extra: str) -> list[
     ]  # fmt: skip
 
 
-def train_runs(runs: list[list[str]]) -> list[list[dict[str, float]]]:
+def train_runs(runs: list[list[str]], ports: list[int]) -> list[list[dict[str, float]]]:
     """Each run's logged scalars (METRICS) per step, read back from TensorBoard (rank 0 writes
-    them; every rank returns them). Several runs in one spawn: each its own process group."""
+    them; every rank returns them). Several runs in one spawn: each its own process group, on
+    its own port of `ports` (the last run's store may live on in DTensor's caches)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from configs import parse_config
     from launch.job import JobConfig
     from tests.test_train import train_losses
 
-    results, port = [], int(os.environ["MASTER_PORT"])
-    for i, argv in enumerate(runs):
-        # A store of its own per run: the last run's may live on in DTensor's caches.
-        os.environ["MASTER_PORT"] = str(port + i)
+    results = []
+    for argv, port in zip(runs, ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
         losses = train_losses(argv)
         job = parse_config(JobConfig, argv)
         events = EventAccumulator(str(Path(job.run.output_dir) / job.run.name / "tensorboard"))
@@ -76,6 +76,12 @@ def train_runs(runs: list[list[str]]) -> list[list[dict[str, float]]]:
                 step[name] = event.value
         results.append(steps)
     return results
+
+
+def spawn(world: int, runs: list[list[str]], nodes: int = 1) -> list[list[dict[str, float]]]:
+    """`train_runs` on `world` ranks; rank 0's results."""
+    ports = [_free_port() for _ in runs]
+    return run_distributed(train_runs, world, runs, ports, nodes=nodes)[0]
 
 
 def trl_steps(prefs: dict[str, Path], case: str) -> list[dict[str, float]]:
@@ -101,7 +107,7 @@ def test_first_steps_match_trl(prefs: dict[str, Path], tmp_path: Path) -> None:
     model and pairs (fp32, 1e-5), for the sigmoid, IPO and robust (label smoothing) losses."""
     cases = list(dpo_trl.CASES)
     runs = [dpo_argv(prefs, tmp_path, case) for case in cases]
-    [ours] = run_distributed(train_runs, 1, runs)
+    ours = spawn(1, runs)
     for case, mine in zip(cases, ours, strict=True):
         assert_trl(mine, trl_steps(prefs, case))
 
@@ -118,7 +124,7 @@ def test_meshes_and_references_agree(prefs: dict[str, Path], tmp_path: Path) -> 
         *(dpo_argv(prefs, tmp_path / ref, "sigmoid", accum, *lora, f"--dpo.reference={ref}")
           for ref in ("lora", "copy", "precomputed")),
     ]  # fmt: skip
-    copy, pre, *with_lora = run_distributed(train_runs, 2, runs)[0]
+    copy, pre, *with_lora = spawn(2, runs)
     theirs = trl_steps(prefs, "sigmoid")
     assert_trl(copy, theirs)
     assert_trl(pre, theirs)
@@ -147,7 +153,7 @@ def test_every_mesh_matches_trl(
     accum = ["--train.micro_batch_size=1"] if world == 4 else []
     runs = [dpo_argv(prefs, tmp_path / ref, "sigmoid", *mesh, *accum, f"--dpo.reference={ref}")
             for ref in ("copy", "precomputed")]  # fmt: skip
-    for run in run_distributed(train_runs, world, runs, nodes=nodes)[0]:
+    for run in spawn(world, runs, nodes):
         assert_trl(run, trl_steps(prefs, "sigmoid"))
 
 
@@ -167,7 +173,7 @@ def test_resume_is_exact_and_exports_merged_and_as_peft(
     straight = dpo_argv(prefs, tmp_path / "straight", "sigmoid", *lora, "--train.steps=4")
     half = dpo_argv(prefs, tmp_path / "half", "sigmoid", *lora, "--checkpoint.interval=2")
     resumed = [*half, "--train.steps=4"]
-    runs = run_distributed(train_runs, 2, [straight, half, resumed])[0]
+    runs = spawn(2, [straight, half, resumed])
     losses = [[step["loss/train"] for step in run] for run in runs]
     assert losses[1] + losses[2] == losses[0]
     step = tmp_path / "half" / "sigmoid" / "checkpoints" / "step-4"
