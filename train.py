@@ -95,7 +95,7 @@ from parallel.ft_config import group_folder
 from parallel.lora import adapter_names, init_lora
 from parallel.loss import ChunkedLoss
 from parallel.muon import Muon, muon_groups
-from parallel.objective import Objective, join_terms, summed_loss
+from parallel.objective import Objective, cross_entropy_sum, join_terms, summed_loss
 from parallel.pp import Pipeline
 from parallel.replicas import build_replicas
 from parallel.runtime import (
@@ -210,11 +210,6 @@ class CollectiveFailure(RuntimeError):
 class LaunchError(RuntimeError):
     """This node's launch cannot work (its network interface, torchrun's restart store): the
     message is the line each node says once, before any process group exists."""
-
-
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed (not averaged) cross-entropy, in float32 for a stable log-softmax."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
 def train(

@@ -19,16 +19,19 @@ import torch
 from torch.utils.data import Dataset
 
 from configs import ConfigError
-from data.loader import NO_TARGET, DatasetIndex, Split
+
+# data.loader builds these datasets, so the import arrow runs from it to here: its
+# DatasetIndex is `index: Any` below, its Split a str.
+NO_TARGET = -100  # data.loader's: cross_entropy's ignore_index
 
 
-def read_pairs_table(index: DatasetIndex, split: Split) -> np.ndarray:
+def read_pairs_table(index: Any, split: str) -> np.ndarray:
     """The split's pair rows (pairs, 4), over its shards (one, as prepare writes it)."""
     tables = [np.fromfile(s.pairs, dtype=np.int64).reshape(-1, 4) for s in index.splits[split]]
     return np.concatenate(tables) if tables else np.zeros((0, 4), np.int64)
 
 
-def check_pairs(index: DatasetIndex, seq_len: int, key: str = "data.path") -> None:
+def check_pairs(index: Any, seq_len: int, key: str = "data.path") -> None:
     """ConfigError naming the first pair of the train split whose prompt fills `seq_len`."""
     table = read_pairs_table(index, "train")
     if not len(table):
@@ -50,8 +53,8 @@ class PreferencePairs(Dataset):
 
     def __init__(
         self,
-        index: DatasetIndex,
-        split: Split,
+        index: Any,
+        split: str,
         seq_len: int,
         reference: np.ndarray | None = None,
     ) -> None:

@@ -63,7 +63,7 @@ class DPOConfig:
     in [0, 0.5)."""
     reference: Reference = "copy"
     """Where the reference log-probs come from: 'copy' (a frozen, sharded copy of the starting
-    weights), 'lora' (the policy with its adapters off; needs [lora]) or 'precomputed' (one
+    weights), 'lora' (the policy with its adapters off; needs lora.enabled) or 'precomputed' (one
     pass over the pairs before training, read with the batch)."""
     reference_path: str = ""
     """precomputed: the file of reference log-probs (.npy, a .json fingerprint beside it);

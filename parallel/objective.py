@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -37,7 +38,14 @@ class Objective(Protocol):
         """The micro-batch's summed loss (forward included)."""
 
 
-def summed_loss(model: nn.Module, batch: MicroBatch, loss_fn: LossFn) -> torch.Tensor | None:
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed (not averaged) cross-entropy, in float32 for a stable log-softmax."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
+def summed_loss(
+    model: nn.Module, batch: MicroBatch, loss_fn: LossFn = cross_entropy_sum
+) -> torch.Tensor | None:
     """The model's summed loss on one micro-batch (`loss_fn`: possibly the compiled one; a
     `ChunkedLoss` takes the final hidden states and projects them itself, a chunk at a time).
     At tp > 1 call it under `loss_context`: the loss is then a DTensor holding the whole value
