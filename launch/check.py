@@ -476,16 +476,10 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     shape = model_shape(plan.family, plan.args, job.fp8, job.lora, job.train.freeze)
     muon = job.optim.muon.ns_dtype if job.optim.name == "muon" else None
     pipelined, graph = plan.pp > 1, job.compile.fsdp == "graph"
-    p = job.parallel
-
-    def buckets_of(shape: ModelShape) -> GraphBuckets | None:  # a pp stage's are its own
-        return graph_buckets(shape, plan.dp_shard * plan.cp, p.param_dtype, p.reduce_dtype,
-                             job.compile.bucket_mb, plan.tp) if graph else None  # fmt: skip
-
-    buckets = buckets_of(shape)
+    buckets = _graph_buckets(job, plan, shape)
 
     def memory(shape: ModelShape, last: bool = True) -> dict[str, float]:
-        buckets = buckets_of(shape)
+        buckets = _graph_buckets(job, plan, shape)  # a pp stage's are its own
         mem = plan_memory(
             shape,
             plan.dp_shard,
@@ -553,6 +547,15 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     if job.ft.enabled:
         print(f"# {replica_groups_note(job.ft, env.world_size, mem)}")
     print("\n".join(f"# {line}" for line in format_plan({mesh_label(job, plan): (mem, comm)})))
+
+
+def _graph_buckets(job: JobConfig, plan: Plan, shape: ModelShape) -> GraphBuckets | None:
+    """compile.fsdp='graph': Inductor's collective buckets for `shape` (None otherwise)."""
+    if job.compile.fsdp != "graph":
+        return None
+    p = job.parallel
+    return graph_buckets(shape, plan.dp_shard * plan.cp, p.param_dtype, p.reduce_dtype,
+                         job.compile.bucket_mb, plan.tp)  # fmt: skip
 
 
 def replica_groups_note(ft: FaultToleranceConfig, world: int, mem: dict[str, float]) -> str:
