@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
@@ -306,13 +306,7 @@ def prepare(
 
     # uint16 halves disk and page-cache use for any vocabulary up to 65536 ids.
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(out)
-    # A hidden sibling of `out`: the final rename stays on one filesystem, hence atomic.
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with _staged(out) as tmp:
         masked = example_format is not None
         writers = {s: ShardWriter(tmp, s, dtype, shard_tokens, masked) for s in SPLITS}
         # A byte tokenizer keeps any byte; a tokenizer.json reads text, decoded from UTF-8.
@@ -341,10 +335,6 @@ def prepare(
             write_task(tmp / NEXT_LINE_TASK, val_fraction)
         # index.json last: a dataset directory without it is never treated as complete.
         (tmp / "index.json").write_text(json.dumps(index, indent=2) + "\n")
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
     _log_prepared(out, time.perf_counter() - start, tok, dtype, writers, num_docs, not_text)
     return out
@@ -364,19 +354,28 @@ def _prepare_pairs(
         raise ConfigError("data prepare: --format preference needs --input (JSONL or parquet)")
     files = find_files(inputs, pattern or f"{EXAMPLE_PATTERN},*.parquet")
     check_out(out)
+    with _staged(out) as tmp:
+        index = prepare_pairs(files, tmp, out, tokenizer_path, eos_token, val_fraction)
+        (tmp / "index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out
+
+
+@contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A fresh hidden sibling of `out` to write a dataset into: renamed to `out` when the block
+    ends (on one filesystem, hence atomic), removed if it raises, so an interrupted prepare
+    leaves no dataset."""
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        index = prepare_pairs(files, tmp, out, tokenizer_path, eos_token, val_fraction)
-        (tmp / "index.json").write_text(json.dumps(index, indent=2) + "\n")
+        yield tmp
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def _parser() -> argparse.ArgumentParser:
