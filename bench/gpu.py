@@ -67,6 +67,8 @@ COMMON = [
 SEQ = ["--data.seq_len=8192", "--train.micro_batch_size=1", "--train.global_batch_size=1"]
 COMPILE = ["--compile.enabled=true"]
 GRAPH_FSDP = "--compile.fsdp=graph"
+# The pipeline suites' model: the 1B flavor, 16 micro-batches of one 8k sequence a step.
+PP_MODEL = ["--model.flavor=1B", *SEQ, "--train.micro_batch_size=1", "--train.global_batch_size=16"]
 # The tied embedding and blocks 0-5 of the 1B flavor: 628M of its 1.24B parameters.
 HALF_1B = "tok_embeddings.*,layers.[0-5].*"
 FP8 = ["--fp8.enabled=true"]
@@ -218,12 +220,7 @@ SUITES = {
         },
     },
     "graph-pp": {
-        "model": [
-            "--model.flavor=1B",
-            *SEQ,
-            "--train.micro_batch_size=1",
-            "--train.global_batch_size=16",
-        ],
+        "model": PP_MODEL,
         "all_gpus": True,
         "split": "--parallel.pp",
         "baseline": "bf16 compile 1f1b",
@@ -261,12 +258,7 @@ SUITES = {
     # same GPUs at the same global batch (pp 1, the case's own setting wins). Eager: the
     # zero-bubble schedules refuse compiled blocks.
     "pp": {
-        "model": [
-            "--model.flavor=1B",
-            *SEQ,
-            "--train.micro_batch_size=1",
-            "--train.global_batch_size=16",
-        ],
+        "model": PP_MODEL,
         "all_gpus": True,
         "split": "--parallel.pp",
         "baseline": "bf16 fsdp",
