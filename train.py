@@ -95,7 +95,7 @@ from parallel.ft_config import group_folder
 from parallel.lora import adapter_names, init_lora
 from parallel.loss import ChunkedLoss
 from parallel.muon import Muon, muon_groups
-from parallel.objective import Objective, cross_entropy_sum, join_terms, summed_loss
+from parallel.objective import Objective, cross_entropy_sum, objective_loss, summed_loss
 from parallel.pp import Pipeline
 from parallel.replicas import build_replicas
 from parallel.runtime import (
@@ -473,7 +473,6 @@ def setup(
     # The cross-entropy, or DPO with its reference (a frozen copy built like the model).
     copy = partial(build_reference, job, plan, env, mesh, expert_mesh, device)
     objective = build_objective(job.dpo, loss_fn, copy)
-    built.terms = join_terms(built.terms, objective.terms)
     dp_rank, dp_size = dp_rank_and_size(mesh)
     # A loader's (inputs, targets) on the device, with their document ids and targets under
     # data.attention_mask="document" (data/documents.py): derived per micro-batch, on the device.
@@ -532,9 +531,10 @@ def build_reference(
     mesh: DeviceMesh,
     expert_mesh: DeviceMesh | None,
     device: torch.device,
-) -> torch.nn.Module:
+) -> torch.nn.Module | Pipeline:
     """A frozen copy of the model's starting weights, sharded as the model is (no LoRA, nothing
-    trains, so no gradient and no optimizer state): DPO's reference (dpo.reference='copy').
+    trains, so no gradient and no optimizer state): DPO's reference (dpo.reference='copy'); under
+    pp split into the same stages, on a `Pipeline` that runs its forward.
     From the same files or seed as the model, also on a resume (check_config refuses a start
     from a checkpoint's weights, which the copy would not have)."""
     settings = replace(job.build_settings(), lora=replace(job.lora, enabled=False), freeze=[])
@@ -542,8 +542,11 @@ def build_reference(
                         list(plan.stage_sizes))  # fmt: skip
     start = replace(plan, resume=None)  # its weights are the start's, whatever the run resumes
     initialize(built, job, start, env, device, log=False)
-    built.model.requires_grad_(False)
-    return built.model
+    for part in built.parts:  # each stage: a tied weight's replica is in no merged view
+        part.requires_grad_(False)
+    if not built.stages:
+        return built.model
+    return Pipeline(built.stages, mesh["pp"], device, job.parallel.pipeline, plan.grad_accum_steps)
 
 
 def train_step(
@@ -569,7 +572,7 @@ def train_step(
     if run.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
         with loss_context(tp):
             loss_sum, stats = run.pipeline.step(
-                micro_batches, run.loss_fn, global_tokens, dp_size * cp * tp, dp_size * cp,
+                micro_batches, run.objective, global_tokens, dp_size * cp * tp, dp_size * cp,
                 t.global_batch_size, partial(run.heartbeat.beat, step),
             )  # fmt: skip
         run.heartbeat.beat(step, "optimizer")
@@ -582,7 +585,6 @@ def train_step(
     # step, also one whose part of it is not done yet, with no extra collective. Read now, not
     # when the step began: a signal during this step stops the run after it, as its line says.
     flags = torch.tensor([*stop.read(), saved], dtype=torch.float32, device=loss_sum.device)
-    stats = stats if stats is not None else loss_sum.new_zeros(0)
     summed = torch.cat([loss_sum.view(1), stats, flags])
     dist.all_reduce(summed)
     # The loss and statistics of every replica group; the flags stay this group's (ft.enabled).
@@ -600,8 +602,12 @@ def train_step(
         run.skipped_in_a_row = 0
     else:
         non_finite(run, loss_value, norm_value)
-    # Every tp rank added the same statistics: / tp.
-    scalars = run.built.after_step(summed[1:-3] / tp if stats.numel() else None, log)
+    # Every tp rank added the same statistics: / tp. The family's come first, the objective's
+    # last.
+    terms, ours = (summed[1:-3] / tp).split([stats.numel() - run.objective.stats_size,
+                                             run.objective.stats_size])  # fmt: skip
+    scalars = run.built.after_step(terms if terms.numel() else None, log)
+    scalars |= run.objective.after_step(ours, log)
     run.optimizer.zero_grad(set_to_none=True)
     lr = run.optimizer.param_groups[0]["lr"]
     run.scheduler.step()
@@ -612,12 +618,14 @@ def train_step(
 
 def accumulate(
     run: Run, micro_batches: list[MicroBatch], global_tokens: torch.Tensor, step: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of each micro-batch in turn, gradients accumulated; returns this
-    rank's share of the step's loss and the model's step statistics (summed)."""
+    rank's share of the step's loss and the statistics (summed): the model's step terms', then
+    the objective's."""
     model, t, tp, cp, dp_size = run.model, run.job.train, run.plan.tp, run.plan.cp, run.dp_size
     loss_sum = torch.zeros((), device=global_tokens.device)
     stats = None  # the model's step statistics, summed over micro-batches
+    ours = torch.zeros(run.objective.stats_size, device=global_tokens.device)  # the objective's
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         # Reduce-scatter (and the HSDP all-reduce) only after the last micro-batch; earlier
@@ -628,7 +636,9 @@ def accumulate(
             # backward adds nothing to the peak.
             model.set_reshard_after_backward(last)
         with loss_context(tp):
-            loss = run.objective(model, batch) / global_tokens
+            summed, batch_stats = objective_loss(run.objective, model, batch)
+            loss = summed / global_tokens
+            ours += batch_stats
             # FSDP averages gradients over the dp x cp ranks; our loss is already a global
             # mean, so scale by their number to turn that average into the sum we want. Each
             # of the tp ranks of a dp rank counted the same targets into global_tokens: x tp
@@ -639,13 +649,13 @@ def accumulate(
             extra, extra_stats = run.built.collect(t.global_batch_size)
             if extra is not None:
                 objective = objective + extra * dp_size * cp
-            if extra_stats is not None:  # DPO's rewards come with no extra loss
+            if extra_stats is not None:
                 stats = extra_stats if stats is None else stats + extra_stats
             run.heartbeat.beat(step, "backward")
             objective.backward()
         loss_sum += loss.detach()
         run.heartbeat.beat(step, "forward" if not last else "optimizer")
-    return loss_sum, stats
+    return loss_sum, ours if stats is None else torch.cat([stats, ours])
 
 
 def synchronized_time(device: torch.device) -> float:

@@ -6,8 +6,8 @@ side by side (rows 2i and 2i + 1). A row's log-probability is the sum of its tar
 places (`dpo.reference`):
 
 - ``copy``: a frozen copy of the starting weights, built by the same builder as the policy and
-  sharded like it (FSDP2), with no gradients and no optimizer state; its forward runs under
-  no_grad before the policy's.
+  sharded like it (FSDP2; under pp split into the same stages, run by a `Pipeline` of its own),
+  with no gradients and no optimizer state; its forward runs under no_grad before the policy's.
 - ``lora``: the policy itself with its LoRA adapters switched off (parallel/lora.py
   `adapters_off`): the base model, which LoRA leaves frozen, so no second copy exists.
 - ``precomputed``: one pass over the training pairs before the first step
@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from configs import ConfigError
 from data.documents import MicroBatch
+from parallel.objective import Forward
 
 LossType = Literal["sigmoid", "robust", "ipo"]
 Reference = Literal["copy", "lora", "precomputed"]
@@ -126,17 +127,54 @@ def dpo_losses(
     return losses, stats
 
 
-class DPOTerms:
-    """The step statistics of DPO (model.StepTerms): TRL's metrics over the step's pairs."""
+class DPOLoss:
+    """The DPO objective (parallel/objective.py `Objective`): summed over a micro-batch's pairs,
+    normalized by the step's pairs. `reference_model`: what runs the frozen copy (`dpo.reference
+    = 'copy'`: the copy, or its `Pipeline` under pp); with 'lora' the policy runs with its
+    adapters off; with 'precomputed' the batch brings the values."""
 
-    def __init__(self) -> None:
-        self.pending: torch.Tensor | None = None
+    rows_per_sample = 2  # chosen, rejected
+    stats_size = len(METRICS) + 1  # and the pairs they are sums over
+    hidden_only = False
+
+    def __init__(self, cfg: DPOConfig, reference_model: Forward | None = None) -> None:
+        self.cfg, self.reference_model = cfg, reference_model
         self.since_log: torch.Tensor | None = None
 
-    def collect(self, sequences: int) -> tuple[None, torch.Tensor]:
-        stats, self.pending = self.pending, None
-        assert stats is not None, "DPOTerms.collect before the objective's forward"
-        return None, stats
+    def units(self, batch: MicroBatch) -> torch.Tensor:
+        return torch.tensor(batch.inputs.shape[0] // 2, device=batch.inputs.device)
+
+    def prepare(self, forward: Forward, model: nn.Module, batch: MicroBatch) -> torch.Tensor | None:
+        """The rows' reference log-probs: the batch's, or from the reference model (None under
+        pp on a rank without the last stage)."""
+        if batch.reference is not None:
+            return batch.reference
+        return self.reference_logps(forward, model, batch)
+
+    @torch.no_grad()
+    def reference_logps(
+        self, forward: Forward, model: nn.Module, batch: MicroBatch
+    ) -> torch.Tensor | None:
+        """The rows' log-probs under the reference: the copy, or `model` without adapters
+        (run by `forward`)."""
+        from parallel.lora import adapters_off
+
+        if self.cfg.reference == "copy":
+            assert self.reference_model is not None
+            forward, context = self.reference_model, contextlib.nullcontext()
+        else:
+            context = adapters_off(model)
+        with context:
+            out = forward(batch.inputs, document_ids=batch.document_ids, positions=batch.positions)
+        return None if out is None else sequence_logps(out, batch.targets)
+
+    def loss(
+        self, out: torch.Tensor, targets: torch.Tensor, prepared: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logps = sequence_logps(out, targets)
+        lengths = (targets != -100).sum(dim=1)
+        losses, stats = dpo_losses(logps, prepared.to(logps.dtype), lengths, self.cfg)
+        return losses.sum(), stats
 
     def after_step(self, stats: torch.Tensor, log: bool) -> dict[str, float]:
         # Means over the pairs of every step since the last log (TRL averages its logging
@@ -146,43 +184,3 @@ class DPOTerms:
             return {}
         total, self.since_log = self.since_log.tolist(), None
         return {name: value / total[-1] for name, value in zip(METRICS, total, strict=False)}
-
-
-class DPOLoss:
-    """The DPO objective (parallel/objective.py `Objective`): summed over a micro-batch's pairs,
-    normalized by the step's pairs. `reference_model`: the frozen copy (`dpo.reference =
-    'copy'`); with 'lora' the policy runs with its adapters off; with 'precomputed' the batch
-    brings the values."""
-
-    rows_per_sample = 2  # chosen, rejected
-
-    def __init__(self, cfg: DPOConfig, reference_model: nn.Module | None = None) -> None:
-        self.cfg, self.reference_model = cfg, reference_model
-        self.terms = DPOTerms()
-
-    def units(self, batch: MicroBatch) -> torch.Tensor:
-        return torch.tensor(batch.inputs.shape[0] // 2, device=batch.inputs.device)
-
-    @torch.no_grad()
-    def reference_logps(self, model: nn.Module, batch: MicroBatch) -> torch.Tensor:
-        """The rows' log-probs under the reference: the copy, or `model` without adapters."""
-        from parallel.lora import adapters_off
-
-        if self.cfg.reference == "copy":
-            assert self.reference_model is not None
-            model, context = self.reference_model, contextlib.nullcontext()
-        else:
-            context = adapters_off(model)
-        with context:
-            out = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions)
-        return sequence_logps(out, batch.targets)
-
-    def __call__(self, model: nn.Module, batch: MicroBatch) -> torch.Tensor:
-        reference = batch.reference
-        if reference is None:  # before the policy's forward: its activations wait for backward
-            reference = self.reference_logps(model, batch)
-        out = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions)
-        logps = sequence_logps(out, batch.targets)
-        lengths = (batch.targets != -100).sum(dim=1)
-        losses, self.terms.pending = dpo_losses(logps, reference.to(logps.dtype), lengths, self.cfg)
-        return losses.sum()

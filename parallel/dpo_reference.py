@@ -142,11 +142,13 @@ def precompute(run: Any) -> np.ndarray:
         items = [pairs[i if i < n else 0] for i in ids.tolist()]  # past the end: scored, dropped
         batch = run.to_batch(torch.stack([x for x, _ in items]), torch.stack([y for _, y in items]))
         with loss_context(tp):
-            logps = objective.reference_logps(run.model, batch).view(rows, 2).double()
-        keep = ids < n
-        total.index_add_(0, ids[keep].to(run.device), logps[keep.to(run.device)])
-    # Each pair was scored on one data-parallel rank (zeros elsewhere); its tp ranks scored it
-    # alike: / tp.
+            logps = objective.reference_logps(run.pipeline or run.model, run.model, batch)
+        if logps is None:  # under pp, a rank without the last stage: it adds nothing
+            continue
+        keep = (ids < n).to(run.device)
+        total.index_add_(0, ids.to(run.device)[keep], logps.view(rows, 2).double()[keep])
+    # Each pair was scored on one data-parallel rank (zeros elsewhere) and one pp rank (the
+    # last stage's); its tp ranks scored it alike: / tp.
     dist.all_reduce(total)
     return (total / tp).cpu().numpy()
 
@@ -187,7 +189,7 @@ def check_dpo(job: Any, sources: tuple, run_dir: Path, resuming: bool, model_onl
             "enable [lora], or use dpo.reference='copy' or 'precomputed'"
         )
     p = job.parallel
-    unsupported = {"parallel.pp > 1": p.pp > 1, "parallel.cp > 1": p.cp > 1,
+    unsupported = {"parallel.cp > 1": p.cp > 1,
                    "train.loss_chunk_tokens": bool(job.train.loss_chunk_tokens),
                    "ft.enabled": job.ft.enabled}  # fmt: skip
     if names := [name for name, on in unsupported.items() if on]:

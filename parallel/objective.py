@@ -3,15 +3,17 @@ units the step's loss is a mean over.
 
 `train_step` divides each micro-batch's summed loss by the step's units over all ranks (target
 tokens for the cross-entropy, pairs for DPO, parallel/dpo.py), so the loss and gradients do not
-depend on the mesh or the micro-batching, whatever the objective. An objective's statistics
-(DPO's rewards) reach the step as the family's do: `StepTerms`, joined with the family's by
-`JoinedTerms`, summed over micro-batches and ranks on the loss all-reduce.
+depend on the mesh or the micro-batching, whatever the objective. An objective runs in two
+parts, so that a pipeline can run them on different ranks (parallel/pp.py): `prepare`, before
+the policy's forward (DPO's reference log-probs), and `loss`, from the model's output on the
+rank that holds the output. Its statistics (DPO's rewards) come back with each loss, are summed
+over micro-batches and ranks on the loss all-reduce, and reach `after_step` once per step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,22 +22,52 @@ from torch.distributed.tensor import DTensor
 
 from data.documents import MicroBatch
 from data.loader import NO_TARGET
-from model import StepTerms
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Forward = Callable[..., Any]
+"""What runs the model on a batch: the model, or a `Pipeline` (None on a rank without the last
+stage)."""
 
 
 class Objective(Protocol):
-    terms: StepTerms | None
-    """Its statistics (None: none)."""
     rows_per_sample: int
     """Sequences in each sample of the stream (a preference pair: 2), for tokens/s."""
+    stats_size: int
+    """How many statistics `loss` returns (0: none)."""
+    hidden_only: bool
+    """`loss` takes the final hidden states, not the logits (the chunked loss)."""
 
     def units(self, batch: MicroBatch) -> torch.Tensor:
         """What the step's loss is a mean over, in this micro-batch (a 0-d tensor)."""
 
-    def __call__(self, model: nn.Module, batch: MicroBatch) -> torch.Tensor:
-        """The micro-batch's summed loss (forward included)."""
+    def prepare(self, forward: Forward, model: nn.Module, batch: MicroBatch) -> Any:
+        """What `loss` needs of the batch besides the model's output, before the policy's
+        forward (its activations then wait for backward): a tensor of one value per row, or
+        None. `forward` runs the model, `model` holds its modules."""
+
+    def loss(
+        self, out: torch.Tensor, targets: torch.Tensor, prepared: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's summed loss from the model's output, and its summed statistics
+        (`stats_size` values)."""
+
+    def after_step(self, stats: torch.Tensor, log: bool) -> dict[str, float]:
+        """After the optimizer step, with the step's statistics summed over micro-batches and
+        ranks: the scalars to log when `log`."""
+
+
+def objective_loss(
+    objective: Objective, model: nn.Module, batch: MicroBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's summed loss and statistics, forward included (without pp). At tp > 1
+    call it under `loss_context`: the loss comes back a plain tensor, its backward still
+    running through DTensor."""
+    prepared = objective.prepare(model, model, batch)
+    chunked = {"hidden_only": True} if objective.hidden_only else {}
+    out = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions,
+                **chunked)  # fmt: skip
+    loss, stats = objective.loss(out, batch.targets, prepared)
+    return (loss.to_local() if isinstance(loss, DTensor) else loss), stats
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -66,43 +98,23 @@ def summed_loss(
 class TokenLoss:
     """The cross-entropy, a mean over the step's target tokens (the default objective)."""
 
-    terms: StepTerms | None = None
-    rows_per_sample = 1
+    rows_per_sample, stats_size = 1, 0
 
     def __init__(self, loss_fn: LossFn) -> None:
-        self.loss_fn = loss_fn
+        from parallel.loss import ChunkedLoss
+
+        self.loss_fn, self.hidden_only = loss_fn, isinstance(loss_fn, ChunkedLoss)
 
     def units(self, batch: MicroBatch) -> torch.Tensor:
         return (batch.targets != NO_TARGET).sum()
 
-    def __call__(self, model: nn.Module, batch: MicroBatch) -> torch.Tensor:
-        loss = summed_loss(model, batch, self.loss_fn)
-        assert loss is not None  # the step runs a pipeline through Pipeline.step instead
-        return loss
+    def prepare(self, forward: Forward, model: nn.Module, batch: MicroBatch) -> None:
+        return None
 
-
-class JoinedTerms:
-    """Two `StepTerms` as one: extra losses added, statistics concatenated (and split again
-    for each one's `after_step`)."""
-
-    def __init__(self, first: StepTerms, second: StepTerms) -> None:
-        self.parts, self.sizes = (first, second), [0, 0]
-
-    def collect(self, sequences: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        losses, stats = [], []
-        for i, part in enumerate(self.parts):
-            extra, stat = part.collect(sequences)
-            self.sizes[i] = stat.numel()
-            losses += [] if extra is None else [extra]
-            stats.append(stat)
-        return (sum(losses) if losses else None), torch.cat(stats)  # type: ignore[return-value]
+    def loss(
+        self, out: torch.Tensor, targets: torch.Tensor, prepared: None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loss_fn(out, targets), torch.zeros(0, device=targets.device)
 
     def after_step(self, stats: torch.Tensor, log: bool) -> dict[str, float]:
-        first, second = stats.split(self.sizes)
-        return self.parts[0].after_step(first, log) | self.parts[1].after_step(second, log)
-
-
-def join_terms(first: StepTerms | None, second: StepTerms | None) -> StepTerms | None:
-    if first is None or second is None:
-        return first or second
-    return JoinedTerms(first, second)
+        return {}

@@ -2,13 +2,16 @@
 torch.distributed.pipelining across the pp ranks, the outermost mesh dimension.
 
     pipeline = Pipeline(built.stages, mesh["pp"], device, job.parallel.pipeline, microbatches)
-    loss_sum, stats = pipeline.step(micro_batches, loss_fn, global_tokens, scale, ...)  # train
+    loss_sum, stats = pipeline.step(micro_batches, objective, global_tokens, scale, ...)  # train
     logits = pipeline(tokens, document_ids=..., positions=...)   # evaluation: last stage only
 
 `step` is the one call `train_step` makes in place of its micro-batch loop: the loss keeps the
-trainer's normalization (the step's target tokens over all ranks), each stage's extra loss (an
-MoE's aux loss) joins the backward from its output, and torch's stages keep FSDP's gradients
-unreduced until the step's last backward.
+trainer's normalization (the step's units over all ranks), each stage's extra loss (an MoE's
+aux loss) joins the backward from its output, and torch's stages keep FSDP's gradients
+unreduced until the step's last backward. What the objective prepares before the policy's
+forward (DPO's reference log-probs, parallel/objective.py) comes from forward-only passes
+through the pipeline (or the reference copy's own) before the schedule runs, and reaches the
+last stage's loss with its micro-batch.
 
 A tied weight (parallel/pp_split.py: the first stage's copy trains, the last stage's is a
 replica) costs two sends of its shard per step between the ranks of the first and the last
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from model import ModelFamily
+    from parallel.objective import Objective
 
 SCHEDULE_CLASSES = {
     "1f1b": "Schedule1F1B",
@@ -65,16 +69,19 @@ class _AddLoss(torch.autograd.Function):
 
 @dataclass
 class _StepInputs:
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    objective: Objective
     global_tokens: torch.Tensor
     scale: float
     extra_scale: float
     sequences: int
-    hidden_only: bool
     beat: Callable[[str], None] | None = None
     losses: list[torch.Tensor] = field(default_factory=list)
+    stats: list[torch.Tensor] = field(default_factory=list)
+    """The objective's statistics of each loss."""
     last_extra: torch.Tensor | None = None
     """The last stage's extra loss of the micro-batch whose loss comes next."""
+    prepared: torch.Tensor | None = None
+    """What the objective prepared for the micro-batch whose loss comes next."""
 
 
 class Pipeline:
@@ -90,6 +97,7 @@ class Pipeline:
         microbatches: int,
     ) -> None:
         self.stages, self.microbatches = stages, microbatches
+        self.parts = nn.ModuleList([s.model for s in stages])  # for the objective's `prepare`
         self.group, self.pp = mesh.get_group(), mesh.size()
         self.rank = mesh.get_local_rank()
         n = self.pp * cfg.local_stages()
@@ -129,7 +137,13 @@ class Pipeline:
                 return None
             if step.beat is not None:  # the hang line names the stage
                 step.beat(f"pipeline stage {stage.index}")
-            return (args, kwargs | {"hidden_only": True}) if step.hidden_only else None
+            # The objective's prepared values reach each stage with the micro-batch's inputs
+            # (the schedule splits them alike); the last stage's loss, which torch computes
+            # right after its forward, takes them.
+            if stage.index == len(self.owners) - 1:
+                step.prepared = kwargs.get("prepared")
+            kwargs = {k: v for k, v in kwargs.items() if k != "prepared"}
+            return args, kwargs | ({"hidden_only": True} if step.objective.hidden_only else {})
 
         return before_forward
 
@@ -150,8 +164,9 @@ class Pipeline:
     def _loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         step = self._step
         assert step is not None  # noqa: S101 - only the schedule calls it, inside step()
-        loss = step.loss_fn(out, target)
+        loss, stats = step.objective.loss(out, target, step.prepared)
         loss = loss.to_local() if hasattr(loss, "to_local") else loss
+        step.stats.append(stats)
         # Every pp rank counted the step's targets into global_tokens: x pp undoes it.
         loss = loss / step.global_tokens * self.pp
         step.losses.append(loss.detach())
@@ -161,30 +176,31 @@ class Pipeline:
     def step(
         self,
         batches: list[Any],
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        objective: Objective,
         global_tokens: torch.Tensor,
         scale: float,
         extra_scale: float,
         sequences: int,
         beat: Callable[[str], None] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of the step's micro-batches (`batches`, MicroBatch) through the
-        pipeline, gradients accumulated in each stage. The loss of each micro-batch is
-        `loss_fn`'s sum over `global_tokens` (the step's, over all ranks), and backward runs
+        pipeline, gradients accumulated in each stage. The loss of each micro-batch is the
+        `objective`'s sum over `global_tokens` (the step's, over all ranks), and backward runs
         from it times `scale` (and from each stage's extra loss times `extra_scale`), as
         train.py's loop does without pp. `beat(phase)`: the heartbeat, told which stage runs.
         Returns this rank's share of the step's loss (the last stage's; 0 elsewhere) and its
-        stages' step statistics (None without step terms)."""
-        from parallel.loss import ChunkedLoss
-
-        hidden_only = isinstance(loss_fn, ChunkedLoss)
-        self._step = _StepInputs(loss_fn, global_tokens, scale, extra_scale, sequences,
-                                 hidden_only, beat)  # fmt: skip
+        statistics: its stages' step terms', then the objective's (zeros off the last stage)."""
+        self._refresh_replicas()
+        # Before the schedule, one forward-only pass per micro-batch where the objective needs
+        # one (DPO's reference log-probs, on the last stage's ranks).
+        prepared = [objective.prepare(self, self.parts, b) for b in batches]
+        self._step = _StepInputs(objective, global_tokens, scale, extra_scale, sequences, beat)
         for stage in self.stages:
             stage.stats.clear()
-        self._refresh_replicas()
         present = [k for k in ("document_ids", "positions") if getattr(batches[0], k) is not None]
         kwargs = {k: torch.cat([getattr(b, k) for b in batches]) for k in present}
+        if prepared[0] is not None:
+            kwargs["prepared"] = torch.cat(prepared)
         args = (torch.cat([b.inputs for b in batches]),) if self.holds_first else ()
         target = torch.cat([b.targets for b in batches]) if self.holds_last else None
         try:
@@ -194,10 +210,12 @@ class Pipeline:
         self._gather_replica_grads()
         self._replicas_stale = True  # the optimizer steps next
         # The last `microbatches` calls: torch may run a stage once more first, to learn shapes.
-        losses = step.losses[-self.microbatches :]
-        loss_sum = torch.stack(losses).sum() if losses else global_tokens.new_zeros(())
-        stats = [torch.stack(s.stats[-self.microbatches :]).sum(0) for s in self.stages if s.stats]
-        return loss_sum, torch.stack(stats).sum(0) if stats else None
+        m, zeros = self.microbatches, global_tokens.new_zeros
+        losses = step.losses[-m:]
+        loss_sum = torch.stack(losses).sum() if losses else zeros(())
+        terms = [torch.stack(s.stats[-m:]).sum(0) for s in self.stages if s.stats]
+        ours = torch.stack(step.stats[-m:]).sum(0) if step.stats else zeros(objective.stats_size)
+        return loss_sum, torch.cat([torch.stack(terms).sum(0) if terms else zeros(0), ours])
 
     @torch.no_grad()
     def __call__(self, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor | None:

@@ -158,6 +158,29 @@ def test_every_mesh_matches_trl(
 
 
 @pytest.mark.slow
+def test_pipeline_matches_trl_with_every_reference(prefs: dict[str, Path], tmp_path: Path) -> None:
+    """pp 2 (one block a stage) with 4 micro-batches: TRL's numbers (fp32, 1e-5) with the
+    frozen copy (a pipeline of its own) and the precomputed reference (one pass through the
+    pipeline); with LoRA, the adapters-off reference gives the copy's losses."""
+    pp = ["--parallel.pp=2", "--train.micro_batch_size=2"]
+    lora = ["--lora.enabled=true", "--lora.targets=*.attention.*,*.feed_forward.*"]
+    runs = [
+        *(dpo_argv(prefs, tmp_path / ref, "sigmoid", *pp, f"--dpo.reference={ref}")
+          for ref in ("copy", "precomputed")),
+        *(dpo_argv(prefs, tmp_path / f"lora-{ref}", "sigmoid", *pp, *lora,
+                   f"--dpo.reference={ref}") for ref in ("lora", "copy")),
+    ]  # fmt: skip
+    copy, pre, *with_lora = spawn(2, runs)
+    theirs = trl_steps(prefs, "sigmoid")
+    assert_trl(copy, theirs)
+    assert_trl(pre, theirs)
+    losses = [[step["loss/train"] for step in run] for run in with_lora]
+    assert losses[0][1] != losses[0][0]  # the adapters trained
+    torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
+
+
+@pytest.mark.slow
 def test_resume_is_exact_and_exports_merged_and_as_peft(
     prefs: dict[str, Path], tmp_path: Path
 ) -> None:
