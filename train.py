@@ -537,7 +537,11 @@ def build_reference(
     pp split into the same stages, on a `Pipeline` that runs its forward.
     From the same files or seed as the model, also on a resume (check_config refuses a start
     from a checkpoint's weights, which the copy would not have)."""
-    settings = replace(job.build_settings(), lora=replace(job.lora, enabled=False), freeze=[])
+    # Every unit resharded after its forward: with no backward to come, a unit left gathered
+    # (FSDP's root, the last block; under pp every unit) would stay gathered for the whole run.
+    parallel = replace(job.parallel, reshard_after_forward="always")
+    settings = replace(job.build_settings(), lora=replace(job.lora, enabled=False), freeze=[],
+                       parallel=parallel)  # fmt: skip
     built = build_model(plan.family, plan.args, settings, mesh, expert_mesh,
                         list(plan.stage_sizes))  # fmt: skip
     start = replace(plan, resume=None)  # its weights are the start's, whatever the run resumes

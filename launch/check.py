@@ -55,8 +55,10 @@ from parallel.build import build_model
 from parallel.compile import CompileConfig
 from parallel.cp import check_cp
 from parallel.dims import LaunchEnv
+from parallel.dpo import DPOLoss
 from parallel.dpo_reference import check_dpo, check_dpo_data
 from parallel.float8 import Float8Config, check_float8, unmatched_skips
+from parallel.fsdp import reshard_plan
 from parallel.ft_config import FaultToleranceConfig, check_ft, group_folder
 from parallel.graph_fsdp import check_graph_fsdp
 from parallel.loss import check_chunked_loss
@@ -68,6 +70,7 @@ from parallel.plan import (
     model_shape,
     plan_communication,
     plan_memory,
+    reference_gathers,
 )
 from parallel.pp import check_pp
 from parallel.pp_config import PipelineConfig
@@ -477,13 +480,15 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     muon = job.optim.muon.ns_dtype if job.optim.name == "muon" else None
     pipelined, graph = plan.pp > 1, job.compile.fsdp == "graph"
     buckets = _graph_buckets(job, plan, shape)
+    # Rows per micro-batch: DPO's samples are pairs, a chosen and a rejected row each.
+    rows = job.train.micro_batch_size * (DPOLoss.rows_per_sample if job.dpo.enabled else 1)
 
     def memory(shape: ModelShape, last: bool = True) -> dict[str, float]:
         buckets = _graph_buckets(job, plan, shape)  # a pp stage's are its own
         mem = plan_memory(
             shape,
             plan.dp_shard,
-            job.train.micro_batch_size,
+            rows,
             job.data.seq_len,
             job.parallel.param_dtype,
             job.ac.mode,
@@ -499,6 +504,8 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
             pipelined=pipelined,
             graph_bucket_bytes=max(buckets.all_gather) if buckets else None,
         )
+        if job.dpo.enabled and job.dpo.reference == "copy":  # its fp32 shards (no adapters)
+            mem = {"params": mem["params"], "reference": mem["params"]} | mem
         return mem if last else mem | {"logits": 0.0}  # under pp, the last stage's
 
     # ft.enabled: the groups' all-reduce crosses them as HSDP's would (DiLoCo: 1 step in N).
@@ -515,7 +522,7 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
             grad_accum_steps=plan.grad_accum_steps,
             cpu_offload=job.parallel.cpu_offload,
             tp=plan.tp,
-            tokens=job.train.micro_batch_size * job.data.seq_len,
+            tokens=rows * job.data.seq_len,
             ac_mode=job.ac.mode,
             ac_every=job.ac.every,
             ep=plan.ep,
@@ -525,13 +532,14 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
             graph_fsdp=graph,
         )
         comm["dp_replicate"]["all_reduce"] /= every
+        comm["dp_shard"]["all_gather"] += _reference_gathers(job, plan, shape)
         return comm
 
     mem, comm, pipeline = memory(shape), communication(shape), None
     if pipelined:  # the pp rank with the most memory: its stages, activations in flight
         mem, comm, pipeline = plan_pipeline(
             shape, job.parallel.pipeline, plan.pp, plan.grad_accum_steps,
-            job.train.micro_batch_size, job.data.seq_len, memory, communication,
+            rows, job.data.seq_len, memory, communication,
             job.parallel.param_dtype, plan.tp, plan.cp,
         )  # fmt: skip
     print(
@@ -547,6 +555,21 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
     if job.ft.enabled:
         print(f"# {replica_groups_note(job.ft, env.world_size, mem)}")
     print("\n".join(f"# {line}" for line in format_plan({mesh_label(job, plan): (mem, comm)})))
+
+
+def _reference_gathers(job: JobConfig, plan: Plan, shape: ModelShape) -> float:
+    """DPO's reference forward: its all-gather bytes per step (0 without one)."""
+    cfg, p = job.dpo, job.parallel
+    if not cfg.enabled or cfg.reference == "precomputed":
+        return 0.0
+    units, shard = len(shape.units), plan.dp_shard * plan.cp
+    resharded = (
+        [True] * units  # the copy (train.py build_reference)
+        if cfg.reference == "copy"
+        else reshard_plan(units - 1, p.reshard_after_forward, shard, p.cpu_offload, plan.pp > 1)
+    )
+    return reference_gathers(shape, shard, p.param_dtype, plan.grad_accum_steps, resharded,
+                             plan.tp, plan.ep)  # fmt: skip
 
 
 def _graph_buckets(job: JobConfig, plan: Plan, shape: ModelShape) -> GraphBuckets | None:

@@ -85,7 +85,14 @@ from model.blocks import BlockShape
 from parallel.fsdp import Reshard, reshard_plan
 from parallel.shape import ModelShape, Unit, model_shape
 
-__all__ = ["ModelShape", "Unit", "model_shape", "plan_communication", "plan_memory"]
+__all__ = [
+    "ModelShape",
+    "Unit",
+    "model_shape",
+    "plan_communication",
+    "plan_memory",
+    "reference_gathers",
+]
 
 BYTES = {"bfloat16": 2, "float32": 4}
 AcMode = Literal["none", "full", "selective", "op"]
@@ -519,6 +526,26 @@ def plan_memory(
         "logits": logits * (2 * pbytes if compiled_loss else pbytes + 12),
     }
     return mem | ({"muon_owner": owner} if muon_dtype is not None else {})
+
+
+def reference_gathers(
+    shape: ModelShape,
+    dp_shard: int,
+    param_dtype: str,
+    grad_accum_steps: int,
+    resharded: list[bool],
+    tp: int = 1,
+    ep: int = 1,
+) -> float:
+    """DPO's reference (parallel/dpo.py), one more forward per micro-batch: the bytes each rank
+    sends per step in the all-gathers of the units it gathers anew (`resharded`, one entry per
+    unit): every unit of the frozen copy (train.py builds it resharding them all), or the units
+    of the policy (the LoRA reference) that its forward frees."""
+    pbytes = BYTES[param_dtype]
+    per_pass = sum(u.shard_numel(dp_shard, True, tp, ep=ep)
+                   + u.shard_numel(dp_shard, False, tp, ep=ep) * pbytes
+                   for u, freed in zip(shape.units, resharded, strict=True) if freed)  # fmt: skip
+    return grad_accum_steps * (dp_shard - 1) * per_pass
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,47 @@ def test_pipeline_matches_trl_with_every_reference(prefs: dict[str, Path], tmp_p
                                atol=1e-5)  # fmt: skip
 
 
+def gathered_after_forward(argvs: list[list[str]]) -> list[list[str]]:
+    """For each run's settings: the frozen copy built as train.py builds it, run forward once;
+    the names of its parameters left gathered (not FSDP's sharded DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    from configs import parse_config
+    from launch.check import check_config
+    from launch.job import JobConfig
+    from parallel.dims import LaunchEnv
+    from parallel.runtime import build_mesh, init_distributed
+    from train import build_reference
+
+    env, device = LaunchEnv.from_env(), torch.device("cpu")
+    init_distributed(device, env, timeout_s=60)
+    left = []
+    for argv in argvs:
+        job = parse_config(JobConfig, argv)
+        plan = check_config(job, env)
+        mesh = build_mesh(device, plan.dp_replicate, plan.dp_shard, plan.tp, plan.cp, plan.pp)
+        reference = build_reference(job, plan, env, mesh, None, device)
+        with torch.no_grad():
+            reference(torch.randint(0, 258, (2, 16)))
+        parts = getattr(reference, "parts", [reference])  # a Pipeline's stages
+        left.append([n for part in parts for n, p in part.named_parameters()
+                     if not isinstance(p, DTensor)])  # fmt: skip
+    return left
+
+
+def test_the_frozen_copy_holds_only_its_shards(tmp_path: Path) -> None:
+    """FSDP 2 and pp 2 on 2 ranks: after its forward the copy holds its shards
+    only. FSDP leaves a unit that is not resharded after forward (the root, the last block;
+    under pp every unit) gathered until its backward, which a frozen copy never runs."""
+    tiny = [f"--run.output_dir={tmp_path}", "--model.dim=64", "--model.n_layers=2",
+            "--model.n_heads=4", "--model.n_kv_heads=2", "--model.vocab_size=258",
+            "--data.seq_len=16",
+            "--train.global_batch_size=4", "--train.micro_batch_size=1",
+            "--train.eval_interval=0", "--dry-run"]  # fmt: skip
+    runs = [tiny, [*tiny, "--parallel.pp=2"]]
+    assert run_distributed(gathered_after_forward, 2, runs)[0] == [[], []]
+
+
 @pytest.mark.slow
 def test_resume_is_exact_and_exports_merged_and_as_peft(
     prefs: dict[str, Path], tmp_path: Path

@@ -19,7 +19,7 @@ from parallel.plan import activation_bytes, model_shape, plan_communication, pla
 from tests.distributed import run_distributed
 from tests.test_families import RUN_SHAPE
 from tests.test_moe_trainer import MOE
-from tests.test_train import FP8
+from tests.test_train import FP8, TINY
 from tests.zoo import NAME, call_registered
 
 ZOO = [f"--model.name={NAME}", *RUN_SHAPE[NAME]]
@@ -229,7 +229,6 @@ def test_planner_matches_instrumented_collectives(
     from configs import parse_config
     from launch.job import JobConfig
     from model import get_family
-    from tests.test_train import TINY
 
     argv = [
         f"--data.path={tiny_dataset}",
@@ -271,6 +270,36 @@ def test_planner_matches_instrumented_collectives(
     for result in results:
         for key, measured in result["state"].items():
             assert measured == pytest.approx(mem[key], rel=0.10), (key, result["state"], mem)
+
+
+@pytest.mark.parametrize("reference", ["copy", "lora"])
+def test_planner_counts_the_dpo_references_gathers(tmp_path: Path, reference: str) -> None:
+    """DPO on HSDP 2x2, 2 micro-batches of pairs per rank: the reference's forward (the frozen
+    copy's every unit, or the LoRA policy's units its forward frees) all-gathers what the dry
+    run adds to the policy's, within 1%."""
+    from configs import parse_config
+    from launch.check import _reference_gathers
+    from launch.job import JobConfig
+    from tests.test_dpo_data import prepared
+
+    pairs = [{"prompt": f"{i}+{i}=", "chosen": str(2 * i), "rejected": str(2 * i + 1)}
+             for i in range(16)]  # fmt: skip
+    lora = ["--lora.enabled=true"] if reference == "lora" else []
+    argv = [f"--data.path={prepared(tmp_path, pairs)}", f"--run.output_dir={tmp_path}", *TINY,
+            "--train.steps=1", "--train.micro_batch_size=1", "--parallel.dp_replicate=2",
+            "--dpo.enabled=true", f"--dpo.reference={reference}", *lora]  # fmt: skip
+    results = run_distributed(instrumented_step, 4, argv, nodes=2)
+    job, p = parse_config(JobConfig, argv), parse_config(JobConfig, argv).parallel
+    family = get_family(job.model.name)
+    shape = model_shape(family, family.build_args(job.model), job.fp8, job.lora, [])
+    plan = SimpleNamespace(dp_shard=2, cp=1, tp=1, ep=1, pp=1, grad_accum_steps=2)
+    policy = plan_communication(shape, 2, 2, p.param_dtype, p.reduce_dtype,
+                                grad_accum_steps=2)["dp_shard"]["all_gather"]  # fmt: skip
+    extra = _reference_gathers(job, plan, shape)  # type: ignore[arg-type]
+    assert extra > 0
+    for result in results:
+        measured = result["sent"][("dp_shard", "all_gather")]
+        assert measured == pytest.approx(policy + extra, rel=0.01), (measured, policy, extra)
 
 
 def test_planner_counts_passes_and_ring_factors() -> None:
