@@ -95,7 +95,12 @@ from parallel.ft_config import group_folder
 from parallel.lora import adapter_names, init_lora
 from parallel.loss import ChunkedLoss
 from parallel.muon import Muon, muon_groups
-from parallel.objective import Objective, cross_entropy_sum, objective_loss, summed_loss
+from parallel.objective import (
+    Objective,
+    TokenLoss,
+    cross_entropy_sum,
+    objective_loss,
+)
 from parallel.pp import Pipeline
 from parallel.replicas import build_replicas
 from parallel.runtime import (
@@ -289,6 +294,8 @@ class Run:
     """Under pipeline parallel (parallel.pp > 1): this rank's stages on their schedule."""
     replicas: Replicas = field(default_factory=Replicas)
     """The replica groups beyond this job (ft.enabled, parallel/ft.py), or none."""
+    references: dict[str, Any] = field(default_factory=dict)
+    """What the objective reads with each batch, per split (DPO's precomputed reference)."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -346,9 +353,9 @@ def _train(
                                              replica_settings(job, env))  # fmt: skip
     # What the objective reads with each batch (DPO's precomputed reference, written by one
     # pass over the pairs at the first start): parallel/dpo_reference.py.
-    reference = reference_for_loader(run, run_dir)
+    run.references = reference_for_loader(run, run_dir)
     loader = build_loader(job, plan, "train", *replicas.data_slice(run.dp_rank, run.dp_size),
-                          reference=reference)  # fmt: skip
+                          reference=run.references.get("train"))  # fmt: skip
     # Resume: everything that changes during training is a Stateful in one dict, loaded in
     # place before the loader is iterated (DCP reshards it onto this mesh).
     groups = replicas.groups
@@ -823,20 +830,23 @@ def validate(run: Run, metrics: MetricsLogger, step: int) -> tuple[float, dict[s
     """Each source on its own validation split; loss/val is their mean (docs/data.md). Then
     the eval tasks (docs/evaluation.md); returns loss/val and their scores."""
     job, plan, started = run.job, run.plan, time.perf_counter()
-    val_losses = {}
+    val_losses, stats = {}, {}
     for source in plan.sources:
-        val = build_loader(job, plan, "val", run.dp_rank, run.dp_size, source)
+        val = build_loader(job, plan, "val", run.dp_rank, run.dp_size, source,
+                           reference=run.references.get("val"))  # fmt: skip
         n_val = job.train.eval_batches * plan.grad_accum_steps
         with loss_context(plan.tp):
-            val_losses[f"loss/val/{source.name}"] = evaluate(
-                run.pipeline or run.model, val, n_val, run.to_batch, run.loss_fn
-            )
+            loss, summed = evaluate(run.pipeline or run.model, val, n_val, run.to_batch,
+                                    run.objective)  # fmt: skip
+        val_losses[f"loss/val/{source.name}"] = loss
+        # The objective's own (DPO's: one source): rewards/accuracies/val, ...
+        stats |= {f"{name}/val": value for name, value in run.objective.scalars(summed).items()}
     val_loss = sum(val_losses.values()) / len(val_losses)
     scores = score_tasks(run)
     # Both end in a device-to-host copy: the time is the device's too.
     elapsed = {"time/eval_s": time.perf_counter() - started}
     per_source = val_losses if len(val_losses) > 1 else {}
-    metrics.log(step, {"loss/val": val_loss} | per_source | scores | elapsed)
+    metrics.log(step, {"loss/val": val_loss} | per_source | stats | scores | elapsed)
     return val_loss, scores
 
 
@@ -945,22 +955,32 @@ def evaluate(
     loader: Iterable,
     micro_batches: int,
     to_batch: Callable[[torch.Tensor, torch.Tensor], MicroBatch],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
-) -> float:
-    """Mean loss per target token over the first `micro_batches` of a validation loader, over
-    all data-parallel ranks. `to_batch`: as in training (device, document masking). Under pp
-    (`model` a Pipeline) the ranks of the last stage count the losses and targets."""
-    batches = iter(loader)
-    losses, targets = [], []
+    objective: Objective | None = None,
+) -> tuple[float, torch.Tensor]:
+    """The objective's mean loss per unit (per target token, the default; per pair for DPO)
+    over the first `micro_batches` of a validation loader, over all data-parallel ranks, and
+    its statistics summed over them (`objective.scalars`). `to_batch`: as in training
+    (device, document masking). Under pp (`model` a Pipeline) the ranks of the last stage
+    count the losses and units. At tp > 1 call it under `loss_context`."""
+    objective = objective or TokenLoss(cross_entropy_sum)
+    chunked = {"hidden_only": True} if objective.hidden_only else {}
+    batches, totals = iter(loader), []
     for _ in range(micro_batches):
         batch = to_batch(*next(batches))
-        loss = summed_loss(model, batch, loss_fn)
-        counted = loss is not None  # under pp, only on the last stage's ranks
-        losses.append(loss if counted else torch.zeros((), device=batch.targets.device))
-        targets.append((batch.targets != -100).sum() * counted)
-    totals = torch.stack([torch.stack(losses).sum(), torch.stack(targets).sum().float()])
-    dist.all_reduce(totals)
-    return (totals[0] / totals[1]).item()
+        prepared = objective.prepare(model, getattr(model, "parts", model), batch)
+        out = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions,
+                    **chunked)  # fmt: skip
+        if out is None:  # under pp, a rank without the last stage: it adds nothing
+            continue
+        loss, stats = objective.loss(out, batch.targets, prepared)
+        loss = loss.to_local() if isinstance(loss, DTensor) else loss
+        units = objective.units(batch).view(1)
+        totals.append(torch.cat([loss.view(1), units, stats]).float())
+    device = batch.targets.device
+    total = sum(totals) if totals else torch.zeros(2 + objective.stats_size, device=device)
+    # Every tp rank adds the same values: the ratios below are the same.
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item(), total[2:]
 
 
 def log_orientation(job: JobConfig, plan: Plan, run_dir: Path, ckpt_folder: Path) -> None:

@@ -32,18 +32,21 @@ def read_pairs_table(index: Any, split: str) -> np.ndarray:
 
 
 def check_pairs(index: Any, seq_len: int, key: str = "data.path") -> None:
-    """ConfigError naming the first pair of the train split whose prompt fills `seq_len`."""
-    table = read_pairs_table(index, "train")
-    if not len(table):
+    """ConfigError naming the first pair (of the train split, then the val split) whose prompt
+    fills `seq_len`: no completion token of it would be scored."""
+    if not len(read_pairs_table(index, "train")):
         raise ConfigError(f"{key}: '{index.path}' holds no training pair")
-    if (long := np.flatnonzero(table[:, 3] >= seq_len)).size:
-        shard = index.splits["train"][0]
+    for split in ("train", "val") if index.splits.get("val") else ("train",):
+        table = read_pairs_table(index, split)
+        if not (long := np.flatnonzero(table[:, 3] >= seq_len)).size:
+            continue
+        shard = index.splits[split][0]
         keys = shard.keys.read_text().splitlines() if shard.keys else []
         where = keys[long[0]] if long[0] < len(keys) else f"pair {long[0]}"
         raise ConfigError(
-            f"{key}: the prompt of pair {long[0]} ({where}) has {table[long[0], 3]} tokens, "
-            f"so no completion token fits in data.seq_len={seq_len} ({long.size} such pairs; "
-            "TRL drops them): raise data.seq_len or leave them out of the dataset"
+            f"{key}: the prompt of {split} pair {long[0]} ({where}) has {table[long[0], 3]} "
+            f"tokens, so no completion token fits in data.seq_len={seq_len} ({long.size} such "
+            "pairs; TRL drops them): raise data.seq_len or leave them out of the dataset"
         )
 
 

@@ -182,5 +182,10 @@ class DPOLoss:
         self.since_log = stats if self.since_log is None else self.since_log + stats
         if not log:
             return {}
-        total, self.since_log = self.since_log.tolist(), None
+        total, self.since_log = self.since_log, None
+        return self.scalars(total)
+
+    def scalars(self, stats: torch.Tensor) -> dict[str, float]:
+        """TRL's metrics: means over the pairs the statistics were summed over."""
+        total = stats.tolist()
         return {name: value / total[-1] for name, value in zip(METRICS, total, strict=False)}

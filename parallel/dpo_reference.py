@@ -2,13 +2,15 @@
 fingerprint (parallel/dpo.py has the loss and the three kinds of reference).
 
 `dpo.reference = "precomputed"`: before the first step, every rank scores its share of the
-training pairs with the starting model (adapters off), the shares are summed over the ranks
-(each pair scored on one rank, zeros elsewhere: exact), and rank 0 writes them to
-`dpo.reference_path` (default: reference_logps.npy in the run folder) with a JSON fingerprint
-beside it: the dataset's sha256 (data/preference.py), `data.seq_len` (the truncation) and what
-the starting weights are (the family, its shape, the dtype, and the seed or the Hugging Face
-files). A later start or a resume reads the file instead, after `check_reference` compared the
-fingerprints before any process group exists: log-probs of another model or dataset are one
+training pairs (and of the validation pairs, for the evaluations) with the starting model
+(adapters off), the shares are summed over the ranks (each pair scored on one rank, zeros
+elsewhere: exact), and rank 0 writes them to `dpo.reference_path` (default:
+reference_logps.npy in the run folder; the validation pairs' beside it,
+reference_logps.val.npy) with a JSON fingerprint beside it: the dataset's sha256
+(data/preference.py), `data.seq_len` (the truncation) and what the starting weights are (the
+family, its shape, the dtype, and the seed or the Hugging Face files). A later start or a
+resume reads the files instead, after `check_reference` compared the fingerprints before any
+process group exists: log-probs of another model or dataset are one
 `config error:` line, never a silently wrong loss.
 """
 
@@ -52,6 +54,20 @@ def reference_path(cfg: DPOConfig, run_dir: Path) -> Path:
     return Path(cfg.reference_path) if cfg.reference_path else run_dir / FILE
 
 
+def split_paths(path: Path, index: DatasetIndex) -> dict[str, Path]:
+    """The file of each split's log-probs: `path` for the training pairs, and beside it
+    (name.val.npy) the validation pairs', where the dataset has a val split."""
+    has_val = index.num_sequences("val", 1) > 0  # pairs, whatever the length
+    val = {"val": path.with_name(f"{path.stem}.val.npy")} if has_val else {}
+    return {"train": path} | val
+
+
+def _complete(path: Path, index: DatasetIndex) -> bool:
+    """Every split's file there, and the fingerprint, written last."""
+    files = [*split_paths(path, index).values(), path.with_suffix(".json")]
+    return all(f.is_file() for f in files)
+
+
 def fingerprint(job: Any, index: DatasetIndex) -> dict[str, Any]:
     """What the precomputed log-probs depend on (see the module docstring)."""
     start: dict[str, Any] = {"seed": job.train.seed}
@@ -88,7 +104,7 @@ def check_reference(job: Any, index: DatasetIndex, run_dir: Path, resuming: bool
         return
     path = reference_path(cfg, run_dir)
     sidecar = path.with_suffix(".json")
-    if not path.is_file() or not sidecar.is_file():
+    if not _complete(path, index):
         if resuming:
             raise ConfigError(
                 f"dpo.reference_path: the resumed run has no precomputed reference at '{path}' "
@@ -105,34 +121,40 @@ def check_reference(job: Any, index: DatasetIndex, run_dir: Path, resuming: bool
         )
 
 
-def reference_for_loader(run: Any, run_dir: Path) -> np.ndarray | None:
-    """Every training pair's reference log-probs (pairs, 2) for the loader: read, or computed
-    now by one pass and written (dpo.reference = 'precomputed'); None for the other objectives."""
-    cfg = run.job.dpo
+def reference_for_loader(run: Any, run_dir: Path) -> dict[str, np.ndarray]:
+    """Every pair's reference log-probs (pairs, 2) of each split, for its loader: read, or
+    computed now by one pass and written (dpo.reference = 'precomputed'); none for the other
+    objectives."""
+    cfg, index = run.job.dpo, run.plan.dataset
     if not (cfg.enabled and cfg.reference == "precomputed"):
-        return None
+        return {}
     path = reference_path(cfg, run_dir)
-    if path.is_file() and path.with_suffix(".json").is_file():  # checked by check_reference
-        return np.load(path)
-    values = precompute(run)
+    paths = split_paths(path, index)
+    if _complete(path, index):  # checked by check_reference
+        return {split: np.load(file) for split, file in paths.items()}
+    values = {split: precompute(run, split) for split in paths}
     if run.env.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp.npy")
-        np.save(tmp, values)
-        tmp.replace(path)
-        sidecar = json.dumps(fingerprint(run.job, run.plan.dataset), indent=2) + "\n"
+        path.with_suffix(".json").unlink(missing_ok=True)  # an earlier, incomplete set's
+        for split, file in paths.items():
+            tmp = file.with_name(file.name + ".tmp.npy")
+            np.save(tmp, values[split])
+            tmp.replace(file)
+        # Last: its presence says the files are complete.
+        sidecar = json.dumps(fingerprint(run.job, index), indent=2) + "\n"
         path.with_suffix(".json").write_text(sidecar)
-        logger.info("dpo: reference log-probs of %d pairs written to %s", len(values), path)
+        counts = " and ".join(f"{len(v)} {split}" for split, v in values.items())
+        logger.info("dpo: reference log-probs of %s pairs written to %s", counts, path)
     return values
 
 
 @torch.no_grad()
-def precompute(run: Any) -> np.ndarray:
-    """One pass of the starting model over the training pairs: each data-parallel rank scores
+def precompute(run: Any, split: str) -> np.ndarray:
+    """One pass of the starting model over the pairs of `split`: each data-parallel rank scores
     contiguous slices of micro_batch_size pairs, in as many forwards as every other rank."""
     from data.pairs import PreferencePairs
 
-    pairs = PreferencePairs(run.plan.dataset, "train", run.job.data.seq_len)
+    pairs = PreferencePairs(run.plan.dataset, split, run.job.data.seq_len)
     n, rows, tp = len(pairs), run.job.train.micro_batch_size, run.plan.tp
     total = torch.zeros(n, 2, dtype=torch.float64, device=run.device)
     objective: DPOLoss = run.objective

@@ -55,6 +55,9 @@ class Objective(Protocol):
         """After the optimizer step, with the step's statistics summed over micro-batches and
         ranks: the scalars to log when `log`."""
 
+    def scalars(self, stats: torch.Tensor) -> dict[str, float]:
+        """The scalars of statistics summed over micro-batches and ranks (an evaluation's)."""
+
 
 def objective_loss(
     objective: Objective, model: nn.Module, batch: MicroBatch
@@ -117,4 +120,7 @@ class TokenLoss:
         return self.loss_fn(out, targets), torch.zeros(0, device=targets.device)
 
     def after_step(self, stats: torch.Tensor, log: bool) -> dict[str, float]:
+        return {}
+
+    def scalars(self, stats: torch.Tensor) -> dict[str, float]:
         return {}

@@ -36,6 +36,7 @@ from launch.check import check_config
 from launch.check import main as launch_check
 from launch.job import JobConfig
 from parallel.dims import LaunchEnv
+from parallel.objective import summed_loss
 from tests.distributed import run_distributed
 from tests.test_cli import run_cli
 from tests.test_train import FP32, TINY, assert_close, run, train_losses
@@ -263,7 +264,7 @@ def test_load_model_only_starts_at_step_0_with_the_weights(
     inputs, targets = next(iter(loader))
     with torch.no_grad():
         batch = MicroBatch(inputs, targets)
-        expected = train.summed_loss(model, batch).item() / targets.numel()
+        expected = summed_loss(model, batch).item() / targets.numel()
     assert losses[0] == pytest.approx(expected, rel=1e-5)
 
 

@@ -221,8 +221,8 @@ def one_case(
     from parallel.cp import apply_cp
     from parallel.float8 import Float8Config, apply_float8
     from parallel.fsdp import apply_fsdp, assign_local_shard
+    from parallel.objective import summed_loss
     from parallel.runtime import dp_mesh, dp_rank_and_size
-    from train import summed_loss
 
     dist = torch.distributed
     device = torch.device("cpu")

@@ -21,17 +21,21 @@ sys.path.insert(0, str(ROOT / "tests" / "golden"))
 import dpo_trl  # noqa: E402
 
 METRICS = ("loss/train", "grad_norm", *dpo_trl.METRICS)
+# What the evaluation after the last step logs (TRL's eval_loss and eval_ metrics).
+VAL = {"loss/val": "loss"} | {f"{name}/val": name for name in dpo_trl.METRICS}
 
 
 @pytest.fixture(scope="module")
 def prefs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The golden's model and pairs, and the pairs prepared (byte tokenizer, all in train)."""
+    """The golden's model and pairs, and the pairs prepared (byte tokenizer; held out as the
+    golden holds them out)."""
     pytest.importorskip("transformers")
     from data.prepare import prepare
 
     out = tmp_path_factory.mktemp("prefs")
     model_dir, pairs_file = dpo_trl.make_inputs(out)
-    data = prepare([str(pairs_file)], out / "data", val_fraction=0.0, format="preference")
+    data = prepare([str(pairs_file)], out / "data", val_fraction=dpo_trl.SETTINGS["val_fraction"],
+                   format="preference")  # fmt: skip
     return {"model": model_dir, "pairs": pairs_file, "data": data, "out": out}
 
 
@@ -46,7 +50,8 @@ def dpo_argv(prefs: dict[str, Path], out: Path, case: str, *extra: str) -> list[
         f"--train.global_batch_size={s['batch']}", f"--train.steps={s['steps']}",
         f"--optim.lr={s['lr']}", "--optim.warmup_steps=0", "--optim.decay=constant",
         "--optim.weight_decay=0", "--optim.beta2=0.999", "--optim.eps=1e-8",
-        f"--train.max_grad_norm={s['max_grad_norm']}", "--train.eval_interval=0",
+        f"--train.max_grad_norm={s['max_grad_norm']}", f"--train.eval_interval={s['steps']}",
+        "--train.eval_batches=1",
         "--metrics.tensorboard=true", "--metrics.log_interval=1", "--checkpoint.interval=0",
         "--dpo.enabled=true", f"--dpo.loss_type={c['loss_type']}", f"--dpo.beta={c['beta']}",
         f"--dpo.label_smoothing={c['label_smoothing']}", *extra,
@@ -54,9 +59,10 @@ def dpo_argv(prefs: dict[str, Path], out: Path, case: str, *extra: str) -> list[
 
 
 def train_runs(runs: list[list[str]], ports: list[int]) -> list[list[dict[str, float]]]:
-    """Each run's logged scalars (METRICS) per step, read back from TensorBoard (rank 0 writes
-    them; every rank returns them). Several runs in one spawn: each its own process group, on
-    its own port of `ports` (the last run's store may live on in DTensor's caches)."""
+    """Each run's logged scalars (METRICS) per step, and on its last step the last evaluation's
+    (VAL), read back from TensorBoard (rank 0 writes them; every rank returns them). Several
+    runs in one spawn: each its own process group, on its own port of `ports` (the last run's
+    store may live on in DTensor's caches)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from configs import parse_config
@@ -74,6 +80,7 @@ def train_runs(runs: list[list[str]], ports: list[int]) -> list[list[dict[str, f
         for name in METRICS[1:]:  # after a resume, the steps this run took are the last ones
             for step, event in zip(steps, events.Scalars(name)[-len(steps) :], strict=True):
                 step[name] = event.value
+        steps[-1] |= {name: events.Scalars(name)[-1].value for name in VAL}
         results.append(steps)
     return results
 
@@ -84,22 +91,28 @@ def spawn(world: int, runs: list[list[str]], nodes: int = 1) -> list[list[dict[s
     return run_distributed(train_runs, world, runs, ports, nodes=nodes)[0]
 
 
-def trl_steps(prefs: dict[str, Path], case: str) -> list[dict[str, float]]:
-    """TRL's numbers for `case`: TRL itself where it is installed, else the golden file."""
+def trl_steps(prefs: dict[str, Path], case: str) -> dict:
+    """TRL's numbers for `case` (each step's, "steps", and the evaluation's after the last,
+    "eval"): TRL itself where it is installed, else the golden file."""
     try:
         import trl  # noqa: F401
     except ImportError:
-        return json.loads(dpo_trl.GOLDEN.read_text())["steps"][case]
+        golden = json.loads(dpo_trl.GOLDEN.read_text())
+        return {"steps": golden["steps"][case], "eval": golden["eval"][case]}
     return dpo_trl.run_trl(prefs["model"], prefs["pairs"], dpo_trl.CASES[case],
                            prefs["out"] / f"trl-{case}")  # fmt: skip
 
 
-def assert_trl(ours: list[dict[str, float]], theirs: list[dict[str, float]]) -> None:
-    assert len(ours) == len(theirs) == dpo_trl.SETTINGS["steps"]
-    for step, (mine, trl) in enumerate(zip(ours, theirs, strict=True), start=1):
+def assert_trl(ours: list[dict[str, float]], theirs: dict) -> None:
+    """Each step's loss, gradient norm and metrics, and the evaluation after the last: TRL's."""
+    assert len(ours) == len(theirs["steps"]) == dpo_trl.SETTINGS["steps"]
+    for step, (mine, trl) in enumerate(zip(ours, theirs["steps"], strict=True), start=1):
         for name in METRICS:
             expected = trl["loss" if name == "loss/train" else name]
             assert mine[name] == pytest.approx(expected, rel=1e-5, abs=1e-5), (step, name)
+    for name, theirs_name in VAL.items():
+        expected = theirs["eval"][theirs_name]
+        assert ours[-1][name] == pytest.approx(expected, rel=1e-5, abs=1e-5), name
 
 
 def test_first_steps_match_trl(prefs: dict[str, Path], tmp_path: Path) -> None:
@@ -129,7 +142,8 @@ def test_meshes_and_references_agree(prefs: dict[str, Path], tmp_path: Path) -> 
     assert_trl(copy, theirs)
     assert_trl(pre, theirs)
     assert (tmp_path / "pre" / "sigmoid" / "reference_logps.npy").is_file()
-    losses = [[step["loss/train"] for step in run] for run in with_lora]
+    losses = [[step["loss/train"] for step in run] + [run[-1][name] for name in VAL]
+              for run in with_lora]  # fmt: skip
     assert losses[0][1] != losses[0][0]  # the adapters trained
     for other in losses[1:]:
         torch.testing.assert_close(torch.tensor(other), torch.tensor(losses[0]), rtol=1e-5,
@@ -174,7 +188,8 @@ def test_pipeline_matches_trl_with_every_reference(prefs: dict[str, Path], tmp_p
     theirs = trl_steps(prefs, "sigmoid")
     assert_trl(copy, theirs)
     assert_trl(pre, theirs)
-    losses = [[step["loss/train"] for step in run] for run in with_lora]
+    losses = [[step["loss/train"] for step in run] + [run[-1][name] for name in VAL]
+              for run in with_lora]  # fmt: skip
     assert losses[0][1] != losses[0][0]  # the adapters trained
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5,
                                atol=1e-5)  # fmt: skip
@@ -240,6 +255,7 @@ def test_resume_is_exact_and_exports_merged_and_as_peft(
     runs = spawn(2, [straight, half, resumed])
     losses = [[step["loss/train"] for step in run] for run in runs]
     assert losses[1] + losses[2] == losses[0]
+    assert {name: runs[2][-1][name] for name in VAL} == {name: runs[0][-1][name] for name in VAL}
     step = tmp_path / "half" / "sigmoid" / "checkpoints" / "step-4"
     ours = load_checkpoint_model(step, rope_len=32)
     ids = torch.tensor([list(b"12+34=46") + [257], list(b"99+10=109")])

@@ -106,7 +106,7 @@ def test_loss_math_is_trls() -> None:
         ("--dpo.beta=0", "dpo.beta must be > 0"),
         ("--dpo.label_smoothing=0.5", r"dpo.label_smoothing must be in \[0, 0.5\)"),
         ("--dpo.reference=lora", "dpo.reference='lora' is the model with its adapters off"),
-        ("--data.seq_len=4", r"the prompt of pair 0 \(pairs.jsonl:1\) has 4 tokens"),
+        ("--data.seq_len=4", r"the prompt of train pair 0 \(pairs.jsonl:1\) has 4 tokens"),
         ("--parallel.cp=2", "dpo.enabled does not support parallel.cp > 1"),
     ],
 )

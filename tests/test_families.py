@@ -449,7 +449,7 @@ def documents_on_mesh(dims: tuple[int, int, int], val_path: str) -> dict[str, ob
             val = build_dataloader(data, "val", dp_rank=dp_rank, dp_size=dp_size,
                                    micro_batch_size=4 // dp_size, seed=0)  # fmt: skip
             with loss_context(dims[2]):
-                out[f"{name} val"] = evaluate(
+                out[f"{name} val"], _ = evaluate(
                     model, val, 2, lambda x, y: micro_batch(x, y, data, docs.EOS, docs.CPU)
                 )
     torch.distributed.destroy_process_group()

@@ -30,6 +30,7 @@ from model import ModelConfig, get_family, get_hf_mapping
 from parallel.dims import LaunchEnv
 from parallel.freeze import apply_freeze
 from parallel.lora import LoRAConfig, LoRALayer, apply_lora, init_lora, merge_lora
+from parallel.objective import summed_loss
 from tests.distributed import run_distributed
 from tests.test_train import COMPILED, FP8, FP32, TINY, assert_close, train_losses
 
@@ -199,7 +200,7 @@ def test_lora_run_starts_at_the_base_model_and_trains_only_adapters(
     loader = build_dataloader(job.data, "train", dp_rank=0, dp_size=1, micro_batch_size=8, seed=0)
     inputs, targets = next(iter(loader))
     with torch.no_grad():
-        expected = train.summed_loss(base, MicroBatch(inputs, targets)).item() / targets.numel()
+        expected = summed_loss(base, MicroBatch(inputs, targets)).item() / targets.numel()
     losses = lora_run["losses"]
     assert losses[0] == pytest.approx(expected, rel=1e-6)
     assert losses[-1] < losses[0]

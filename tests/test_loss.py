@@ -15,9 +15,9 @@ from configs import ConfigError
 from data.documents import MicroBatch
 from model import FAMILIES, ModelConfig, llama, output_layer
 from parallel.loss import ChunkedLoss
+from parallel.objective import cross_entropy_sum, summed_loss
 from tests import zoo
 from tests.test_train import FP32, assert_close, run
-from train import cross_entropy_sum, summed_loss
 
 
 def _loss_and_grads(model: torch.nn.Module, batch: MicroBatch, loss_fn) -> tuple:
@@ -182,9 +182,10 @@ def losses_and_val_losses(argv: list[str]) -> list[float]:
 
     seen, evaluate = [], trainer.evaluate
 
-    def recorded(*args, **kwargs) -> float:
-        seen.append(evaluate(*args, **kwargs))
-        return seen[-1]
+    def recorded(*args, **kwargs) -> tuple[float, torch.Tensor]:
+        loss, stats = evaluate(*args, **kwargs)
+        seen.append(loss)
+        return loss, stats
 
     trainer.evaluate = recorded  # validate() looks it up by name
     return train_losses(argv) + seen

@@ -108,10 +108,11 @@ def grads_after_one_step(
     from parallel.compile import CompileConfig, apply_compile
     from parallel.dims import ParallelConfig
     from parallel.fsdp import apply_fsdp, assign_local_shard
+    from parallel.objective import summed_loss
     from parallel.runtime import build_mesh, dp_mesh, init_distributed
     from parallel.tp import apply_tp, loss_context
     from parallel.workarounds import tp_compile_workarounds
-    from train import clip_grad_norm, summed_loss
+    from train import clip_grad_norm
 
     device = torch.device("cpu")
     init_distributed(device, LaunchEnv.from_env(), 60)

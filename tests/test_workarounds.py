@@ -29,8 +29,8 @@ def _outcome(build: Callable[[], torch.nn.Module]) -> Outcome:
     """One forward and backward of the trainer's loss (loss parallel) on a fixed batch."""
     from data.documents import MicroBatch
     from model import canonical_name
+    from parallel.objective import summed_loss
     from parallel.tp import loss_context
-    from train import summed_loss
 
     torch._dynamo.reset()  # each case compiles anew
     try:
