@@ -834,7 +834,9 @@ def validate(run: Run, metrics: MetricsLogger, step: int) -> tuple[float, dict[s
     for source in plan.sources:
         val = build_loader(job, plan, "val", run.dp_rank, run.dp_size, source,
                            reference=run.references.get("val"))  # fmt: skip
-        n_val = job.train.eval_batches * plan.grad_accum_steps
+        # eval_batches global batches. A replica group (ft.enabled) evaluates all of them on
+        # its own: no collective across groups, the same loss/val in each.
+        n_val = job.train.eval_batches * plan.grad_accum_steps * run.replicas.groups
         with loss_context(plan.tp):
             loss, summed = evaluate(run.pipeline or run.model, val, n_val, run.to_batch,
                                     run.objective)  # fmt: skip

@@ -212,8 +212,7 @@ def check_dpo(job: Any, sources: tuple, run_dir: Path, resuming: bool, model_onl
         )
     p = job.parallel
     unsupported = {"parallel.cp > 1": p.cp > 1,
-                   "train.loss_chunk_tokens": bool(job.train.loss_chunk_tokens),
-                   "ft.enabled": job.ft.enabled}  # fmt: skip
+                   "train.loss_chunk_tokens": bool(job.train.loss_chunk_tokens)}  # fmt: skip
     if names := [name for name, on in unsupported.items() if on]:
         raise ConfigError(f"dpo.enabled does not support {', '.join(names)} yet")
     if model_only and cfg.reference != "lora":

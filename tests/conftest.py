@@ -96,6 +96,25 @@ def write_corpus(root: Path, n_docs: int = 40, words_per_doc: int = 400, seed: i
     return root
 
 
+@pytest.fixture(scope="module")
+def prefs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """TRL's golden model and pairs (tests/golden/dpo_trl.py), and the pairs prepared (byte
+    tokenizer; held out as the golden holds them out): tests/test_dpo.py, tests/test_ft.py."""
+    pytest.importorskip("transformers")
+    import sys
+
+    from data.prepare import prepare
+
+    sys.path.insert(0, str(Path(__file__).parent / "golden"))
+    import dpo_trl
+
+    out = tmp_path_factory.mktemp("prefs")
+    model_dir, pairs_file = dpo_trl.make_inputs(out)
+    data = prepare([str(pairs_file)], out / "data", val_fraction=dpo_trl.SETTINGS["val_fraction"],
+                   format="preference")  # fmt: skip
+    return {"model": model_dir, "pairs": pairs_file, "data": data, "out": out}
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A byte-tokenized dataset (~100k tokens) with a validation split."""

@@ -25,20 +25,6 @@ METRICS = ("loss/train", "grad_norm", *dpo_trl.METRICS)
 VAL = {"loss/val": "loss"} | {f"{name}/val": name for name in dpo_trl.METRICS}
 
 
-@pytest.fixture(scope="module")
-def prefs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The golden's model and pairs, and the pairs prepared (byte tokenizer; held out as the
-    golden holds them out)."""
-    pytest.importorskip("transformers")
-    from data.prepare import prepare
-
-    out = tmp_path_factory.mktemp("prefs")
-    model_dir, pairs_file = dpo_trl.make_inputs(out)
-    data = prepare([str(pairs_file)], out / "data", val_fraction=dpo_trl.SETTINGS["val_fraction"],
-                   format="preference")  # fmt: skip
-    return {"model": model_dir, "pairs": pairs_file, "data": data, "out": out}
-
-
 def dpo_argv(prefs: dict[str, Path], out: Path, case: str, *extra: str) -> list[str]:
     """The trainer's settings of the golden's `case` (tests/golden/dpo_trl.py)."""
     s, c = dpo_trl.SETTINGS, dpo_trl.CASES[case]
@@ -67,6 +53,7 @@ def train_runs(runs: list[list[str]], ports: list[int]) -> list[list[dict[str, f
 
     from configs import parse_config
     from launch.job import JobConfig
+    from parallel.ft_config import group_folder
     from tests.test_train import train_losses
 
     results = []
@@ -74,7 +61,8 @@ def train_runs(runs: list[list[str]], ports: list[int]) -> list[list[dict[str, f
         os.environ["MASTER_PORT"] = str(port)
         losses = train_losses(argv)
         job = parse_config(JobConfig, argv)
-        events = EventAccumulator(str(Path(job.run.output_dir) / job.run.name / "tensorboard"))
+        run_dir = group_folder(Path(job.run.output_dir) / job.run.name, job.ft)  # ft: the group's
+        events = EventAccumulator(str(run_dir / "tensorboard"))
         events.Reload()
         steps = [{"loss/train": loss} for loss in losses]
         for name in METRICS[1:]:  # after a resume, the steps this run took are the last ones
