@@ -479,7 +479,8 @@ def setup(
         loss_fn = ChunkedLoss(layer, t.loss_chunk_tokens, loss_fn)
     # The cross-entropy, or DPO with its reference (a frozen copy built like the model).
     copy = partial(build_reference, job, plan, env, mesh, expert_mesh, device)
-    objective = build_objective(job.dpo, loss_fn, copy)
+    objective = build_objective(job.dpo, loss_fn, copy,
+                                mesh["cp"].get_group() if plan.cp > 1 else None)  # fmt: skip
     dp_rank, dp_size = dp_rank_and_size(mesh)
     # A loader's (inputs, targets) on the device, with their document ids and targets under
     # data.attention_mask="document" (data/documents.py): derived per micro-batch, on the device.

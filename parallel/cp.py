@@ -104,12 +104,14 @@ def split_after(to_batch: Callable[..., Batch], mesh: DeviceMesh) -> Callable[..
 def split_batch(batch: Batch, rank: int, cp: int) -> Batch:
     """This rank's share of a micro-batch (a NamedTuple of (batch, seq) tensors or None, with
     `inputs` and `positions` fields): every field split along the sequence, the positions first made
-    explicit, so each token keeps the RoPE position it had in the whole window."""
+    explicit, so each token keeps the RoPE position it had in the whole window. A field of one
+    value per row (DPO's precomputed reference, (batch,)) stays whole."""
     if batch.positions is None:
         inputs = batch.inputs
         rows = torch.arange(inputs.shape[1], device=inputs.device)
         batch = batch._replace(positions=rows.expand(inputs.shape))
-    return type(batch)(*(None if t is None else split_sequence(t, rank, cp) for t in batch))
+    return type(batch)(*(t if t is None or t.dim() == 1 else split_sequence(t, rank, cp)
+                         for t in batch))  # fmt: skip
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -137,9 +139,22 @@ class DPOLoss:
     stats_size = len(METRICS) + 1  # and the pairs they are sums over
     hidden_only = False
 
-    def __init__(self, cfg: DPOConfig, reference_model: Forward | None = None) -> None:
-        self.cfg, self.reference_model = cfg, reference_model
+    def __init__(
+        self,
+        cfg: DPOConfig,
+        reference_model: Forward | None = None,
+        cp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.cfg, self.reference_model, self.cp_group = cfg, reference_model, cp_group
         self.since_log: torch.Tensor | None = None
+
+    def _whole_rows(self, per_row: torch.Tensor) -> torch.Tensor:
+        """Under context parallel each rank holds part of every row's tokens: the sums over the
+        cp ranks (an all-reduce whose backward all-reduces the gradients: each cp rank counted
+        the step's pairs into its units, so the step's normalization makes that exact)."""
+        if self.cp_group is None:
+            return per_row
+        return dist_nn.all_reduce(per_row, group=self.cp_group)
 
     def units(self, batch: MicroBatch) -> torch.Tensor:
         return torch.tensor(batch.inputs.shape[0] // 2, device=batch.inputs.device)
@@ -166,13 +181,14 @@ class DPOLoss:
             context = adapters_off(model)
         with context:
             out = forward(batch.inputs, document_ids=batch.document_ids, positions=batch.positions)
-        return None if out is None else sequence_logps(out, batch.targets)
+        return None if out is None else self._whole_rows(sequence_logps(out, batch.targets))
 
     def loss(
         self, out: torch.Tensor, targets: torch.Tensor, prepared: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logps = sequence_logps(out, targets)
-        lengths = (targets != -100).sum(dim=1)
+        logps = self._whole_rows(sequence_logps(out, targets))
+        with torch.no_grad():
+            lengths = self._whole_rows((targets != -100).sum(dim=1).to(logps.dtype))
         losses, stats = dpo_losses(logps, prepared.to(logps.dtype), lengths, self.cfg)
         return losses.sum(), stats
 

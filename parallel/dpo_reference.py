@@ -42,12 +42,17 @@ logger = logging.getLogger(__name__)
 FILE = "reference_logps.npy"
 
 
-def build_objective(cfg: DPOConfig, loss_fn: LossFn, copy: Callable[[], nn.Module]) -> Objective:
+def build_objective(
+    cfg: DPOConfig,
+    loss_fn: LossFn,
+    copy: Callable[[], nn.Module],
+    cp_group: dist.ProcessGroup | None = None,
+) -> Objective:
     """The run's objective: the cross-entropy, or DPO (with `copy()`, the frozen reference
-    model, built only for dpo.reference = 'copy')."""
+    model, built only for dpo.reference = 'copy'; `cp_group`: context parallel's, cp > 1)."""
     if not cfg.enabled:
         return TokenLoss(loss_fn)
-    return DPOLoss(cfg, copy() if cfg.reference == "copy" else None)
+    return DPOLoss(cfg, copy() if cfg.reference == "copy" else None, cp_group)
 
 
 def reference_path(cfg: DPOConfig, run_dir: Path) -> Path:
@@ -170,9 +175,9 @@ def precompute(run: Any, split: str) -> np.ndarray:
         keep = (ids < n).to(run.device)
         total.index_add_(0, ids.to(run.device)[keep], logps.view(rows, 2).double()[keep])
     # Each pair was scored on one data-parallel rank (zeros elsewhere) and one pp rank (the
-    # last stage's); its tp ranks scored it alike: / tp.
+    # last stage's); its tp and cp ranks each have the whole value: / (tp x cp).
     dist.all_reduce(total)
-    return (total / tp).cpu().numpy()
+    return (total / (tp * run.plan.cp)).cpu().numpy()
 
 
 def check_dpo_data(job: Any, sources: tuple) -> None:
@@ -210,9 +215,7 @@ def check_dpo(job: Any, sources: tuple, run_dir: Path, resuming: bool, model_onl
             "dpo.reference='lora' is the model with its adapters off, but lora.enabled=false: "
             "enable [lora], or use dpo.reference='copy' or 'precomputed'"
         )
-    p = job.parallel
-    unsupported = {"parallel.cp > 1": p.cp > 1,
-                   "train.loss_chunk_tokens": bool(job.train.loss_chunk_tokens)}  # fmt: skip
+    unsupported = {"train.loss_chunk_tokens": bool(job.train.loss_chunk_tokens)}
     if names := [name for name, on in unsupported.items() if on]:
         raise ConfigError(f"dpo.enabled does not support {', '.join(names)} yet")
     if model_only and cfg.reference != "lora":

@@ -145,6 +145,7 @@ def test_meshes_and_references_agree(prefs: dict[str, Path], tmp_path: Path) -> 
         pytest.param(4, 1, [], id="fsdp-1x4", marks=pytest.mark.drill),
         pytest.param(4, 2, ["--parallel.dp_replicate=2"], id="hsdp-2x2"),
         pytest.param(2, 1, ["--parallel.tp=2"], id="tp-2", marks=pytest.mark.drill),
+        pytest.param(2, 1, ["--parallel.cp=2", "--train.micro_batch_size=4"], id="cp-2"),
     ],
 )
 def test_every_mesh_matches_trl(
