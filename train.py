@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from checkpoint import (
@@ -539,10 +540,11 @@ def build_reference(
     mesh: DeviceMesh,
     expert_mesh: DeviceMesh | None,
     device: torch.device,
-) -> torch.nn.Module | Pipeline:
+) -> tuple[torch.nn.Module | Pipeline, torch.nn.Module | None]:
     """A frozen copy of the model's starting weights, sharded as the model is (no LoRA, nothing
     trains, so no gradient and no optimizer state): DPO's reference (dpo.reference='copy'); under
-    pp split into the same stages, on a `Pipeline` that runs its forward.
+    pp split into the same stages, on a `Pipeline` that runs its forward. Returns what runs it,
+    and its output projection (for the chunked loss).
     From the same files or seed as the model, also on a resume (check_config refuses a start
     from a checkpoint's weights, which the copy would not have)."""
     # Every unit resharded after its forward: with no backward to come, a unit left gathered
@@ -556,9 +558,15 @@ def build_reference(
     initialize(built, job, start, env, device, log=False)
     for part in built.parts:  # each stage: a tied weight's replica is in no merged view
         part.requires_grad_(False)
+        if job.train.loss_chunk_tokens and isinstance(part, FSDPModule):
+            # The chunks use the projection after forward; DPOLoss frees it after them.
+            part.set_reshard_after_forward(False, recurse=False)
+    output = output_layer(plan.family, built.parts[-1])
     if not built.stages:
-        return built.model
-    return Pipeline(built.stages, mesh["pp"], device, job.parallel.pipeline, plan.grad_accum_steps)
+        return built.model, output
+    pipeline = Pipeline(built.stages, mesh["pp"], device, job.parallel.pipeline,
+                        plan.grad_accum_steps)  # fmt: skip
+    return pipeline, output
 
 
 def train_step(

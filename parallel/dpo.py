@@ -39,10 +39,12 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from configs import ConfigError
 from data.documents import MicroBatch
+from parallel.loss import ChunkedLoss
 from parallel.objective import Forward
 
 LossType = Literal["sigmoid", "robust", "ipo"]
@@ -137,16 +139,30 @@ class DPOLoss:
 
     rows_per_sample = 2  # chosen, rejected
     stats_size = len(METRICS) + 1  # and the pairs they are sums over
-    hidden_only = False
 
     def __init__(
         self,
         cfg: DPOConfig,
         reference_model: Forward | None = None,
         cp_group: dist.ProcessGroup | None = None,
+        chunked: ChunkedLoss | None = None,
+        reference_output: nn.Module | None = None,
     ) -> None:
+        """`chunked` (train.loss_chunk_tokens): the policy's chunked loss, whose projection
+        the log-probs come from a chunk at a time, from the final hidden states; with the copy,
+        `reference_output` is the copy's projection."""
         self.cfg, self.reference_model, self.cp_group = cfg, reference_model, cp_group
+        self.chunked, self.reference_output = chunked, reference_output
+        self.hidden_only = chunked is not None
         self.since_log: torch.Tensor | None = None
+
+    def _logps(
+        self, out: torch.Tensor, targets: torch.Tensor, output: nn.Module | None = None
+    ) -> torch.Tensor:
+        """Each whole row's log-probability, from the logits or (chunked) the hidden states."""
+        if self.chunked is None:
+            return self._whole_rows(sequence_logps(out, targets))
+        return self._whole_rows(-self.chunked.row_nll(out, targets, output))
 
     def _whole_rows(self, per_row: torch.Tensor) -> torch.Tensor:
         """Under context parallel each rank holds part of every row's tokens: the sums over the
@@ -174,19 +190,27 @@ class DPOLoss:
         (run by `forward`)."""
         from parallel.lora import adapters_off
 
-        if self.cfg.reference == "copy":
+        copy = self.cfg.reference == "copy"
+        if copy:
             assert self.reference_model is not None
             forward, context = self.reference_model, contextlib.nullcontext()
         else:
             context = adapters_off(model)
+        chunked = {"hidden_only": True} if self.hidden_only else {}
         with context:
-            out = forward(batch.inputs, document_ids=batch.document_ids, positions=batch.positions)
-        return None if out is None else self._whole_rows(sequence_logps(out, batch.targets))
+            out = forward(batch.inputs, document_ids=batch.document_ids, positions=batch.positions,
+                          **chunked)  # fmt: skip
+            logps = None if out is None else self._logps(out, batch.targets, self.reference_output)
+        if copy and self.hidden_only:  # its projection stayed gathered for the chunks: free it
+            for part in getattr(forward, "parts", [forward]):
+                if isinstance(part, FSDPModule):
+                    part.reshard()
+        return logps
 
     def loss(
         self, out: torch.Tensor, targets: torch.Tensor, prepared: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logps = self._whole_rows(sequence_logps(out, targets))
+        logps = self._logps(out, targets)
         with torch.no_grad():
             lengths = self._whole_rows((targets != -100).sum(dim=1).to(logps.dtype))
         losses, stats = dpo_losses(logps, prepared.to(logps.dtype), lengths, self.cfg)

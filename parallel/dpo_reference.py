@@ -32,6 +32,7 @@ from torch import nn
 
 from configs import ConfigError
 from parallel.dpo import DPOConfig, DPOLoss
+from parallel.loss import ChunkedLoss
 from parallel.objective import LossFn, Objective, TokenLoss
 from parallel.tp import loss_context
 
@@ -45,14 +46,17 @@ FILE = "reference_logps.npy"
 def build_objective(
     cfg: DPOConfig,
     loss_fn: LossFn,
-    copy: Callable[[], nn.Module],
+    copy: Callable[[], tuple[Any, nn.Module | None]],
     cp_group: dist.ProcessGroup | None = None,
 ) -> Objective:
     """The run's objective: the cross-entropy, or DPO (with `copy()`, the frozen reference
-    model, built only for dpo.reference = 'copy'; `cp_group`: context parallel's, cp > 1)."""
+    model and its output projection, built only for dpo.reference = 'copy'; `cp_group`: context
+    parallel's, cp > 1; `loss_fn` a ChunkedLoss: DPO's log-probs a chunk at a time too)."""
     if not cfg.enabled:
         return TokenLoss(loss_fn)
-    return DPOLoss(cfg, copy() if cfg.reference == "copy" else None, cp_group)
+    reference, output = copy() if cfg.reference == "copy" else (None, None)
+    chunked = loss_fn if isinstance(loss_fn, ChunkedLoss) else None
+    return DPOLoss(cfg, reference, cp_group, chunked, output)
 
 
 def reference_path(cfg: DPOConfig, run_dir: Path) -> Path:
@@ -204,7 +208,7 @@ def check_dpo_data(job: Any, sources: tuple) -> None:
 def check_dpo(job: Any, sources: tuple, run_dir: Path, resuming: bool, model_only: bool) -> None:
     """ConfigError, before any process group, for DPO with what it cannot train on (after
     `check_dpo_data`): a prompt that fills data.seq_len, the LoRA reference without [lora], a
-    parallelism it does not support yet, and a precomputed reference that is not this run's."""
+    start from a checkpoint's weights, and a precomputed reference that is not this run's."""
     from data.pairs import check_pairs
 
     cfg = job.dpo
@@ -215,9 +219,6 @@ def check_dpo(job: Any, sources: tuple, run_dir: Path, resuming: bool, model_onl
             "dpo.reference='lora' is the model with its adapters off, but lora.enabled=false: "
             "enable [lora], or use dpo.reference='copy' or 'precomputed'"
         )
-    unsupported = {"train.loss_chunk_tokens": bool(job.train.loss_chunk_tokens)}
-    if names := [name for name, on in unsupported.items() if on]:
-        raise ConfigError(f"dpo.enabled does not support {', '.join(names)} yet")
     if model_only and cfg.reference != "lora":
         raise ConfigError(
             f"dpo.reference='{cfg.reference}' starts from checkpoint.init_from_hf or the seed, "

@@ -8,7 +8,9 @@ applies the family's output projection (`model.output_layer`) and the cross-entr
 `chunk_tokens` tokens at a time, each chunk under `torch.utils.checkpoint` (non-reentrant):
 forward keeps only the hidden states, and backward recomputes one chunk's logits, takes their
 gradient into the hidden states and the weight, and frees them before the next chunk. The peak
-is one chunk's logits (and their float32 temporaries) instead of the sequence's.
+is one chunk's logits (and their float32 temporaries) instead of the sequence's. DPO's
+sequence log-probs come the same way (`row_nll`: each token's cross-entropy a chunk at a time,
+summed per row).
 
 Why checkpoint per chunk and not a custom autograd.Function that computes each chunk's
 gradients in forward (Liger's fused linear cross-entropy): it runs exactly the unchunked ops,
@@ -34,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
@@ -70,6 +73,29 @@ class ChunkedLoss:
     def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # A batch of one sequence, the shapes loss_fn takes: (1, tokens, dim), (1, tokens).
         return self.loss_fn(self.output(hidden.unsqueeze(0)), targets.unsqueeze(0))
+
+    def row_nll(
+        self, hidden: torch.Tensor, targets: torch.Tensor, output: nn.Module | None = None
+    ) -> torch.Tensor:
+        """Each row's summed cross-entropy (batch,), float32, a chunk at a time as `__call__`
+        (DPO's sequence log-probs, parallel/dpo.py); `output`: another model's projection (the
+        frozen reference copy's) instead of this one's."""
+        if isinstance(hidden, DTensor):
+            hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
+        output = output if output is not None else self.output
+        chunks = zip(hidden.flatten(0, 1).split(self.chunk_tokens),
+                     targets.flatten().split(self.chunk_tokens), strict=True)  # fmt: skip
+        grad = torch.is_grad_enabled()
+        per_token = [checkpoint(_token_nll, h, t, output, use_reentrant=False) if grad
+                     else _token_nll(h, t, output) for h, t in chunks]  # fmt: skip
+        return torch.cat(per_token).view(targets.shape).sum(dim=1)
+
+
+def _token_nll(hidden: torch.Tensor, targets: torch.Tensor, output: nn.Module) -> torch.Tensor:
+    """Each token's cross-entropy (NO_TARGET: 0), float32, from its final hidden state."""
+    logits = output(hidden.unsqueeze(0)).flatten(0, 1).float()
+    nll = F.cross_entropy(logits, targets, reduction="none")
+    return nll.full_tensor() if isinstance(nll, DTensor) else nll
 
 
 def check_chunked_loss(

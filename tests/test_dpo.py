@@ -7,6 +7,7 @@ tests/golden/dpo_trl.json (tests/golden/dpo_trl.py), or TRL itself where it is i
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -146,6 +147,13 @@ def test_meshes_and_references_agree(prefs: dict[str, Path], tmp_path: Path) -> 
         pytest.param(4, 2, ["--parallel.dp_replicate=2"], id="hsdp-2x2"),
         pytest.param(2, 1, ["--parallel.tp=2"], id="tp-2", marks=pytest.mark.drill),
         pytest.param(2, 1, ["--parallel.cp=2", "--train.micro_batch_size=4"], id="cp-2"),
+        # The log-probs from chunks of 24 tokens: chunks that cross rows, a row in two chunks.
+        pytest.param(
+            2,
+            1,
+            ["--train.loss_chunk_tokens=24", "--train.micro_batch_size=2"],
+            id="fsdp-2-chunked",
+        ),
     ],
 )
 def test_every_mesh_matches_trl(
@@ -164,9 +172,11 @@ def test_every_mesh_matches_trl(
 def test_pipeline_matches_trl_with_every_reference(prefs: dict[str, Path], tmp_path: Path) -> None:
     """pp 2 (one block a stage) with 4 micro-batches: TRL's numbers (fp32, 1e-5) with the
     frozen copy (a pipeline of its own) and the precomputed reference (one pass through the
-    pipeline); with LoRA, the adapters-off reference gives the copy's losses."""
+    pipeline); with LoRA and the log-probs in chunks, the adapters-off reference gives the
+    copy's losses (the first the reference's own: log 2)."""
     pp = ["--parallel.pp=2", "--train.micro_batch_size=2"]
-    lora = ["--lora.enabled=true", "--lora.targets=*.attention.*,*.feed_forward.*"]
+    lora = ["--lora.enabled=true", "--lora.targets=*.attention.*,*.feed_forward.*",
+            "--train.loss_chunk_tokens=24"]  # fmt: skip
     runs = [
         *(dpo_argv(prefs, tmp_path / ref, "sigmoid", *pp, f"--dpo.reference={ref}")
           for ref in ("copy", "precomputed")),
@@ -179,20 +189,26 @@ def test_pipeline_matches_trl_with_every_reference(prefs: dict[str, Path], tmp_p
     assert_trl(pre, theirs)
     losses = [[step["loss/train"] for step in run] + [run[-1][name] for name in VAL]
               for run in with_lora]  # fmt: skip
+    assert losses[0][0] == pytest.approx(math.log(2), abs=1e-6)
     assert losses[0][1] != losses[0][0]  # the adapters trained
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5,
                                atol=1e-5)  # fmt: skip
 
 
 def gathered_after_forward(argvs: list[list[str]]) -> list[list[str]]:
-    """For each run's settings: the frozen copy built as train.py builds it, run forward once;
-    the names of its parameters left gathered (not FSDP's sharded DTensors)."""
+    """For each run's settings: the frozen copy built as train.py builds it, and DPO's
+    reference log-probs taken from it once; the names of its parameters left gathered (not
+    FSDP's sharded DTensors)."""
     from torch.distributed.tensor import DTensor
 
     from configs import parse_config
+    from data.documents import MicroBatch
     from launch.check import check_config
     from launch.job import JobConfig
     from parallel.dims import LaunchEnv
+    from parallel.dpo import DPOLoss
+    from parallel.loss import ChunkedLoss
+    from parallel.objective import cross_entropy_sum
     from parallel.runtime import build_mesh, init_distributed
     from train import build_reference
 
@@ -203,9 +219,12 @@ def gathered_after_forward(argvs: list[list[str]]) -> list[list[str]]:
         job = parse_config(JobConfig, argv)
         plan = check_config(job, env)
         mesh = build_mesh(device, plan.dp_replicate, plan.dp_shard, plan.tp, plan.cp, plan.pp)
-        reference = build_reference(job, plan, env, mesh, None, device)
-        with torch.no_grad():
-            reference(torch.randint(0, 258, (2, 16)))
+        reference, output = build_reference(job, plan, env, mesh, None, device)
+        chunk = job.train.loss_chunk_tokens
+        chunked = ChunkedLoss(output, chunk, cross_entropy_sum) if chunk else None
+        dpo = DPOLoss(job.dpo, reference, chunked=chunked, reference_output=output)
+        tokens = torch.randint(0, 258, (2, 16))
+        dpo.reference_logps(None, None, MicroBatch(tokens, tokens))  # type: ignore[arg-type]
         parts = getattr(reference, "parts", [reference])  # a Pipeline's stages
         left.append([n for part in parts for n, p in part.named_parameters()
                      if not isinstance(p, DTensor)])  # fmt: skip
@@ -213,16 +232,17 @@ def gathered_after_forward(argvs: list[list[str]]) -> list[list[str]]:
 
 
 def test_the_frozen_copy_holds_only_its_shards(tmp_path: Path) -> None:
-    """FSDP 2 and pp 2 on 2 ranks: after its forward the copy holds its shards
-    only. FSDP leaves a unit that is not resharded after forward (the root, the last block;
-    under pp every unit) gathered until its backward, which a frozen copy never runs."""
+    """FSDP 2 and pp 2 on 2 ranks, the log-probs from the logits or in chunks: after the
+    reference's forward the copy holds its shards only. FSDP leaves a unit that is not
+    resharded after forward (the root, the last block; under pp every unit) gathered until its
+    backward, which a frozen copy never runs."""
     tiny = [f"--run.output_dir={tmp_path}", "--model.dim=64", "--model.n_layers=2",
             "--model.n_heads=4", "--model.n_kv_heads=2", "--model.vocab_size=258",
-            "--data.seq_len=16",
-            "--train.global_batch_size=4", "--train.micro_batch_size=1",
+            "--data.seq_len=16", "--train.global_batch_size=4", "--train.micro_batch_size=1",
             "--train.eval_interval=0", "--dry-run"]  # fmt: skip
-    runs = [tiny, [*tiny, "--parallel.pp=2"]]
-    assert run_distributed(gathered_after_forward, 2, runs)[0] == [[], []]
+    chunked = "--train.loss_chunk_tokens=12"
+    runs = [tiny, [*tiny, "--parallel.pp=2"], [*tiny, chunked], [*tiny, "--parallel.pp=2", chunked]]
+    assert run_distributed(gathered_after_forward, 2, runs)[0] == [[]] * 4
 
 
 @pytest.mark.slow

@@ -107,7 +107,6 @@ def test_loss_math_is_trls() -> None:
         ("--dpo.label_smoothing=0.5", r"dpo.label_smoothing must be in \[0, 0.5\)"),
         ("--dpo.reference=lora", "dpo.reference='lora' is the model with its adapters off"),
         ("--data.seq_len=4", r"the prompt of train pair 0 \(pairs.jsonl:1\) has 4 tokens"),
-        ("--train.loss_chunk_tokens=16", "dpo.enabled does not support train.loss_chunk_tokens"),
     ],
 )
 def test_bad_settings_are_one_line(tmp_path: Path, setting: str, message: str) -> None:
