@@ -593,7 +593,8 @@ def train_step(
         with loss_context(tp):
             loss_sum, stats = run.pipeline.step(
                 micro_batches, run.objective, global_tokens, dp_size * cp * tp, dp_size * cp,
-                t.global_batch_size, partial(run.heartbeat.beat, step),
+                t.global_batch_size * run.objective.rows_per_sample,
+                partial(run.heartbeat.beat, step),
             )  # fmt: skip
         run.heartbeat.beat(step, "optimizer")
     else:
@@ -666,7 +667,9 @@ def accumulate(
             objective = loss * dp_size * cp * tp
             # The family's extra terms (an MoE's aux loss) are global means too, the same on
             # every tp rank, each cp rank's its part of its sequences' terms: x dp_size x cp.
-            extra, extra_stats = run.built.collect(t.global_batch_size)
+            # Over the step's sequences: rows (a DPO pair is two).
+            rows = t.global_batch_size * run.objective.rows_per_sample
+            extra, extra_stats = run.built.collect(rows)
             if extra is not None:
                 objective = objective + extra * dp_size * cp
             if extra_stats is not None:

@@ -195,6 +195,51 @@ def test_pipeline_matches_trl_with_every_reference(prefs: dict[str, Path], tmp_p
                                atol=1e-5)  # fmt: skip
 
 
+@pytest.mark.slow
+def test_a_mixture_of_experts_trains_dpo_alike_on_expert_parallel(
+    prefs: dict[str, Path], tmp_path: Path
+) -> None:
+    """tests/test_families.py's tiny qwen3_moe (both aux losses on), from the seed, on the
+    pairs: 1 process and FSDP 2 x ep 2 with 2 micro-batches log the same DPO loss, metrics,
+    gradient norm and aux loss (fp32, 1e-5): the family's step terms and the objective's ride
+    the same all-reduce, the aux loss a mean over the step's rows (two a pair)."""
+    from configs import parse_config
+    from data.loader import open_dataset
+    from data.pairs import PreferencePairs
+    from launch.job import JobConfig
+    from model import get_family
+    from tests.test_families import RUN_SHAPE, scalars
+
+    def moe(name: str, *extra: str) -> list[str]:
+        return [f"--data.path={prefs['data']}", f"--run.output_dir={tmp_path}",
+                f"--run.name={name}", "--model.name=qwen3_moe", "--model.dim=64",
+                "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+                "--model.vocab_size=258", *RUN_SHAPE["qwen3_moe"], "--parallel.param_dtype=float32",
+                "--data.seq_len=32", "--data.shuffle=false", "--train.global_batch_size=8",
+                "--train.steps=3", "--optim.lr=5e-3", "--train.eval_interval=0",
+                "--metrics.tensorboard=true", "--metrics.log_interval=1",
+                "--checkpoint.interval=0", "--dpo.enabled=true", *extra]  # fmt: skip
+
+    from tests.test_train import train_losses
+
+    run_distributed(train_losses, 1, moe("one"))
+    run_distributed(train_losses, 2, moe("ep", "--parallel.ep=2", "--train.micro_batch_size=2"))
+    one, ep = scalars(tmp_path / "one"), scalars(tmp_path / "ep")
+    assert one["loss/train"][0] == pytest.approx(math.log(2), abs=1e-6)  # the reference's own
+    # Step 1's aux loss: the model's on the first 8 pairs' 16 rows, over 16.
+    job = parse_config(JobConfig, moe("direct"))
+    family = get_family("qwen3_moe")
+    model = family.build_model(family.build_args(job.model))
+    model.init_weights(seed=job.train.seed, rope_len=job.data.seq_len)
+    pairs = PreferencePairs(open_dataset(prefs["data"]), "train", job.data.seq_len)
+    with torch.no_grad():
+        model(torch.cat([pairs[i][0] for i in range(8)]))
+    assert one["loss/aux"][0] == pytest.approx(model.last_aux_loss.item() / 16, rel=1e-5)
+    for name in ("loss/train", "grad_norm", "loss/aux", *dpo_trl.METRICS):
+        torch.testing.assert_close(torch.tensor(ep[name]), torch.tensor(one[name]), rtol=1e-5,
+                                   atol=1e-5, msg=name)  # fmt: skip
+
+
 def gathered_after_forward(argvs: list[list[str]]) -> list[list[str]]:
     """For each run's settings: the frozen copy built as train.py builds it, and DPO's
     reference log-probs taken from it once; the names of its parameters left gathered (not
