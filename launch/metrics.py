@@ -259,6 +259,8 @@ _SHORT = {
     "grad_norm": ("grad_norm", "{:.3f}"),
     "rewards/accuracies": ("reward_acc", "{:.2f}"),  # DPO (parallel/dpo.py)
     "rewards/margins": ("reward_margin", "{:.4f}"),
+    "rewards/accuracies/val": ("val_reward_acc", "{:.2f}"),  # DPO's evaluation
+    "rewards/margins/val": ("val_reward_margin", "{:.4f}"),
     "throughput/tokens_per_second": ("tok/s", "{:,.0f}"),
     "throughput/tokens_per_second_per_device": ("tok/s/dev", "{:,.0f}"),
     "throughput/tflops_per_device": ("tflops/dev", "{:.2f}"),
