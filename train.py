@@ -1070,8 +1070,11 @@ def report(env: LaunchEnv, message: str, status: int, everywhere: bool = False) 
     returns the exit status."""
     if env.rank == 0 or everywhere:
         logger.error("%s", message)
-    else:
-        # torchrun stops all ranks when the first one exits: give rank 0 time to report.
+    if env.world_size > 1:
+        # torchrun stops every rank when the first one exits: the others wait, so that rank 0
+        # reports first; rank 0 waits too, so that a rank still on its way to the same error
+        # (slower to start) reaches it, and leaves without the stop line of a rank stopped
+        # before it failed (launch/lifecycle.py StopRequest).
         time.sleep(REPORT_GRACE_S)
     return status
 
@@ -1080,7 +1083,5 @@ if __name__ == "__main__":
     status = main()
     if status == 0:  # a finished or stopped run: skip the teardown (exit_process's docstring)
         exit_process(status)
-    # An error every rank meets leaves as before: the others may still be on their way to it
-    # when the first to exit makes torchrun stop them, and a rank stopped before it fails says
-    # a stop line (tests/test_launch.py's missing interface); the teardown gives them time.
+    # An error leaves through the interpreter's teardown, after `report` waited for the others.
     sys.exit(status)
