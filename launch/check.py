@@ -542,8 +542,17 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
             rows, job.data.seq_len, memory, communication,
             job.parallel.param_dtype, plan.tp, plan.cp,
         )  # fmt: skip
-    print(
-        f"# mesh: {f'pp={plan.pp} x ' if pipelined else ''}dp_replicate={plan.dp_replicate} x "
+    print(mesh_line(plan, env))
+    print_plan_notes(job, plan, shape, buckets, pipeline)
+    if job.ft.enabled:
+        print(f"# {replica_groups_note(job.ft, env.world_size, mem)}")
+    print("\n".join(f"# {line}" for line in format_plan({mesh_label(job, plan): (mem, comm)})))
+
+
+def mesh_line(plan: Plan, env: LaunchEnv) -> str:
+    """The dry run's line on the mesh: '# mesh: pp=2 x dp_replicate=1 x dp_shard=4 ...'."""
+    return (
+        f"# mesh: {f'pp={plan.pp} x ' if plan.pp > 1 else ''}dp_replicate={plan.dp_replicate} x "
         f"dp_shard={plan.dp_shard}"
         + (f" x cp={plan.cp}" if plan.cp > 1 else "")
         + (f" x tp={plan.tp}" if plan.tp > 1 else "")
@@ -551,10 +560,6 @@ def dry_run(job: JobConfig, plan: Plan, env: LaunchEnv) -> None:
         + " "
         f"(world size {env.world_size}), gradient accumulation {plan.grad_accum_steps}"
     )
-    print_plan_notes(job, plan, shape, buckets, pipeline)
-    if job.ft.enabled:
-        print(f"# {replica_groups_note(job.ft, env.world_size, mem)}")
-    print("\n".join(f"# {line}" for line in format_plan({mesh_label(job, plan): (mem, comm)})))
 
 
 def _reference_gathers(job: JobConfig, plan: Plan, shape: ModelShape) -> float:

@@ -45,11 +45,10 @@ def dpo_argv(prefs: dict[str, Path], out: Path, case: str, *extra: str) -> list[
     ]  # fmt: skip
 
 
-def train_runs(runs: list[list[str]], ports: list[int]) -> list[list[dict[str, float]]]:
-    """Each run's logged scalars (METRICS) per step, and on its last step the last evaluation's
-    (VAL), read back from TensorBoard (rank 0 writes them; every rank returns them). Several
-    runs in one spawn: each its own process group, on its own port of `ports` (the last run's
-    store may live on in DTensor's caches)."""
+def logged_run(argv: list[str]) -> list[dict[str, float]]:
+    """Train `argv` in this process (a rank); its logged scalars (METRICS) per step, and on its
+    last step the last evaluation's (VAL), read back from TensorBoard (rank 0 writes them;
+    every rank returns them)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from configs import parse_config
@@ -57,20 +56,26 @@ def train_runs(runs: list[list[str]], ports: list[int]) -> list[list[dict[str, f
     from parallel.ft_config import group_folder
     from tests.test_train import train_losses
 
+    losses = train_losses(argv)
+    job = parse_config(JobConfig, argv)
+    run_dir = group_folder(Path(job.run.output_dir) / job.run.name, job.ft)  # ft: the group's
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    steps = [{"loss/train": loss} for loss in losses]
+    for name in METRICS[1:]:  # after a resume, the steps this run took are the last ones
+        for step, event in zip(steps, events.Scalars(name)[-len(steps) :], strict=True):
+            step[name] = event.value
+    steps[-1] |= {name: events.Scalars(name)[-1].value for name in VAL}
+    return steps
+
+
+def train_runs(runs: list[list[str]], ports: list[int]) -> list[list[dict[str, float]]]:
+    """`logged_run` of each run in turn, each its own process group on its own port of `ports`
+    (the last run's store may live on in DTensor's caches)."""
     results = []
     for argv, port in zip(runs, ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
-        losses = train_losses(argv)
-        job = parse_config(JobConfig, argv)
-        run_dir = group_folder(Path(job.run.output_dir) / job.run.name, job.ft)  # ft: the group's
-        events = EventAccumulator(str(run_dir / "tensorboard"))
-        events.Reload()
-        steps = [{"loss/train": loss} for loss in losses]
-        for name in METRICS[1:]:  # after a resume, the steps this run took are the last ones
-            for step, event in zip(steps, events.Scalars(name)[-len(steps) :], strict=True):
-                step[name] = event.value
-        steps[-1] |= {name: events.Scalars(name)[-1].value for name in VAL}
-        results.append(steps)
+        results.append(logged_run(argv))
     return results
 
 

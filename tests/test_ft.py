@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +39,17 @@ def lighthouse(min_groups: int) -> Any:
 
 
 def run_groups(argv: list[str], groups: int, ranks: int, address: str,
-               per_group: dict[int, list[str]] | None = None) -> dict[int, Any]:  # fmt: skip
-    """Each group a run_distributed of its own (its own store and world), all at once;
-    {group: its ranks' results, or the AssertionError it raised}."""
+               per_group: dict[int, list[str]] | None = None,
+               train: Callable[[list[str]], Any] = train_losses) -> dict[int, Any]:  # fmt: skip
+    """Each group a run_distributed of `train` (its argv) of its own (its own store and world),
+    all at once; {group: its ranks' results, or the AssertionError it raised}."""
     results: dict[int, Any] = {}
 
     def group(g: int) -> None:
         ft = ["--ft.enabled=true", f"--ft.group={g}", f"--ft.groups={groups}",
               f"--ft.lighthouse={address}", *(per_group or {}).get(g, [])]  # fmt: skip
         try:
-            results[g] = run_distributed(train_losses, ranks, argv + ft, timeout=240)
+            results[g] = run_distributed(train, ranks, argv + ft, timeout=240)
         except AssertionError as err:
             results[g] = err
 
@@ -149,46 +151,24 @@ def diloco_run(argv: list[str]) -> tuple[list[float], list[int], list[tuple]]:
     return train_losses(argv), per_step, compared
 
 
-def dpo_groups(argv: list[str], address: str) -> dict[int, Any]:
-    """`argv` (DPO, tests/test_dpo.py) on two replica groups of one rank, all at once; {group:
-    its rank's logged numbers (tests/test_dpo.py train_runs), or the AssertionError raised}."""
-    from tests.test_dpo import train_runs
-
-    results: dict[int, Any] = {}
-
-    def group(g: int) -> None:
-        ft = ["--ft.enabled=true", f"--ft.group={g}", "--ft.groups=2", f"--ft.lighthouse={address}"]
-        try:
-            results[g] = run_distributed(train_runs, 1, [argv + ft], [free_port()], timeout=240)
-        except AssertionError as err:
-            results[g] = err
-
-    threads = [threading.Thread(target=group, args=(g,)) for g in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
-
-
 @pytest.mark.slow
 def test_replica_groups_train_dpo_to_trls_numbers(prefs: dict[str, Path], tmp_path: Path) -> None:
     """DPO on two replica groups of one rank, 2 micro-batches each: TRL's numbers, its
     evaluation's too (fp32, 1e-5), with the frozen copy and with the precomputed reference
     (each group scores the pairs into its own folder)."""
-    from tests.test_dpo import assert_trl, dpo_argv, trl_steps
+    from tests.test_dpo import assert_trl, dpo_argv, logged_run, trl_steps
 
     for ref in ("copy", "precomputed"):
         argv = dpo_argv(prefs, tmp_path / ref, "sigmoid", f"--dpo.reference={ref}",
                         "--train.micro_batch_size=2")  # fmt: skip
         server = lighthouse(2)
         try:
-            results = dpo_groups(argv, server.address())
+            results = run_groups(argv, 2, 1, server.address(), train=logged_run)
         finally:
             server.shutdown()
         for g in (0, 1):
             assert not isinstance(results[g], Exception), results[g]
-            assert_trl(results[g][0][0], trl_steps(prefs, "sigmoid"))
+            assert_trl(results[g][0], trl_steps(prefs, "sigmoid"))
     assert (tmp_path / "precomputed" / "sigmoid" / "group1" / "reference_logps.npy").is_file()
 
 
