@@ -657,7 +657,9 @@ def accumulate(
             # backward adds nothing to the peak.
             model.set_reshard_after_backward(last)
         with loss_context(tp):
-            summed, batch_stats = objective_loss(run.objective, model, batch)
+            result = objective_loss(run.objective, model, batch)
+            assert result is not None  # a pipeline's step runs through Pipeline.step instead
+            summed, batch_stats = result
             loss = summed / global_tokens
             ours += batch_stats
             # FSDP averages gradients over the dp x cp ranks; our loss is already a global
@@ -977,17 +979,13 @@ def evaluate(
     (device, document masking). Under pp (`model` a Pipeline) the ranks of the last stage
     count the losses and units. At tp > 1 call it under `loss_context`."""
     objective = objective or TokenLoss(cross_entropy_sum)
-    chunked = {"hidden_only": True} if objective.hidden_only else {}
     batches, totals = iter(loader), []
     for _ in range(micro_batches):
         batch = to_batch(*next(batches))
-        prepared = objective.prepare(model, getattr(model, "parts", model), batch)
-        out = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions,
-                    **chunked)  # fmt: skip
-        if out is None:  # under pp, a rank without the last stage: it adds nothing
+        result = objective_loss(objective, model, batch)
+        if result is None:  # under pp, a rank without the last stage: it adds nothing
             continue
-        loss, stats = objective.loss(out, batch.targets, prepared)
-        loss = loss.to_local() if isinstance(loss, DTensor) else loss
+        loss, stats = result
         units = objective.units(batch).view(1)
         totals.append(torch.cat([loss.view(1), units, stats]).float())
     device = batch.targets.device

@@ -60,15 +60,19 @@ class Objective(Protocol):
 
 
 def objective_loss(
-    objective: Objective, model: nn.Module, batch: MicroBatch
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The micro-batch's summed loss and statistics, forward included (without pp). At tp > 1
-    call it under `loss_context`: the loss comes back a plain tensor, its backward still
-    running through DTensor."""
-    prepared = objective.prepare(model, model, batch)
+    objective: Objective, forward: Forward, batch: MicroBatch
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The micro-batch's summed loss and statistics, forward included (`forward`: the model,
+    or a `Pipeline` for evaluation under pp, which gives None on a rank without the last
+    stage). At tp > 1 call it under `loss_context`: the loss comes back a plain tensor, its
+    backward still running through DTensor."""
+    prepared = objective.prepare(forward, getattr(forward, "parts", forward), batch)
+    # Only when chunking: a family without `hidden_only` keeps working unchunked.
     chunked = {"hidden_only": True} if objective.hidden_only else {}
-    out = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions,
-                **chunked)  # fmt: skip
+    out = forward(batch.inputs, document_ids=batch.document_ids, positions=batch.positions,
+                  **chunked)  # fmt: skip
+    if out is None:
+        return None
     loss, stats = objective.loss(out, batch.targets, prepared)
     return (loss.to_local() if isinstance(loss, DTensor) else loss), stats
 
@@ -80,22 +84,13 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 def summed_loss(
     model: nn.Module, batch: MicroBatch, loss_fn: LossFn = cross_entropy_sum
-) -> torch.Tensor | None:
-    """The model's summed loss on one micro-batch (`loss_fn`: possibly the compiled one; a
-    `ChunkedLoss` takes the final hidden states and projects them itself, a chunk at a time).
-    At tp > 1 call it under `loss_context`: the loss is then a DTensor holding the whole value
-    on every tp rank, returned as a plain tensor (its backward still runs through DTensor).
-    A `Pipeline` (evaluation under pp) returns None on a rank without the last stage."""
-    from parallel.loss import ChunkedLoss
-
-    # Only when chunking: a family without `hidden_only` keeps working unchunked.
-    chunked = {"hidden_only": True} if isinstance(loss_fn, ChunkedLoss) else {}
-    out = model(batch.inputs, document_ids=batch.document_ids, positions=batch.positions,
-                **chunked)  # fmt: skip
-    if out is None:
-        return None
-    loss = loss_fn(out, batch.targets)
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+) -> torch.Tensor:
+    """The model's summed cross-entropy on one micro-batch (`loss_fn`: possibly the compiled
+    one; a `ChunkedLoss` takes the final hidden states and projects them itself, a chunk at a
+    time): `objective_loss` of the default objective, for a model without pp."""
+    result = objective_loss(TokenLoss(loss_fn), model, batch)
+    assert result is not None  # noqa: S101 - a model, not a Pipeline, always has the output
+    return result[0]
 
 
 class TokenLoss:
