@@ -113,7 +113,15 @@ SUITES = {
         "cases": {
             "bf16 compile causal": COMPILE,
             "bf16 compile document": [*COMPILE, "--data.attention_mask=document"],
+            # Issue 59, lever 1: FlashAttention's varlen kernel on the packed documents.
+            "bf16 compile document varlen": [
+                *COMPILE,
+                "--data.attention_mask=document",
+                "--model.attention=varlen",
+            ],
         },
+        # --smoke runs on CPU, where varlen is refused: the harness is checked with SDPA.
+        "smoke": ["--model.attention=sdpa"],
     },
     # Issue #19 (fine-tuning): the 1B flavor at 8k tokens, compiled, in three variants of the
     # same shape: full training, half the parameters frozen (the tied embedding and blocks 0-5:

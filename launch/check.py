@@ -50,6 +50,7 @@ from launch.plan import format_plan
 from launch.resume_rules import explain_misfit, resume_changes
 from launch.wandb_run import check_wandb
 from model import ModelFamily, get_family, get_hf_mapping, output_layer, persistent_buffers
+from model.attention import check_attention
 from parallel.ac import ActivationCheckpointConfig
 from parallel.build import build_model
 from parallel.compile import CompileConfig
@@ -156,6 +157,8 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
     on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()
     check_float8(job.fp8, "cuda" if on_gpu else "cpu")
+    # A dry run plans for the cluster: its kernels need not run here.
+    check_attention(job.model.attention, on_gpu or job.dry_run, job.parallel.cp)
     check_muon(job.optim.name, job.parallel.cpu_offload)
     if not job.dry_run:  # as for the data: a dry run plans, W&B need not be set up here (yet)
         check_wandb(job.metrics, os.environ)
@@ -360,6 +363,12 @@ def unintended_settings(job: JobConfig) -> list[str]:
             f"optim.warmup_steps ({optim.warmup_steps}) + optim.decay_steps "
             f"({optim.decay_steps}) > train.steps ({steps}): no stable phase, the decay takes "
             f"the {max(0, steps - optim.warmup_steps)} steps after warm-up"
+        )
+    if job.model.attention == "varlen" and job.data.attention_mask != "document":
+        warnings.append(
+            "model.attention='varlen' has no effect with data.attention_mask="
+            f"{job.data.attention_mask!r}: a whole window is one sequence, which SDPA already "
+            "runs on FlashAttention"
         )
     if job.metrics.profile_step > steps:
         warnings.append(

@@ -172,7 +172,7 @@ from torch import nn
 from configs import ConfigError, field_docs
 from model.blocks import BlockShape
 
-AttentionImpl = Literal["sdpa", "chunked"]
+AttentionImpl = Literal["sdpa", "chunked", "varlen"]
 
 # What a TP_PLAN entry says about one module (parallel/tp.py implements each). Activations
 # between blocks are split along the sequence (sequence parallel), inside attention and FFN
@@ -224,7 +224,9 @@ class ModelConfig:
     attention: AttentionImpl | None = None
     """'sdpa' (default): F.scaled_dot_product_attention, the right choice on GPUs and in fp32.
     'chunked': model/attention.py, the same math in blocks of batched matmuls, for bf16 on CPU,
-    where it is 1.2-2.3x faster than SDPA's flash kernel at head_dim <= 64 (BENCHMARKS.md)."""
+    where it is 1.2-2.3x faster than SDPA's flash kernel at head_dim <= 64 (BENCHMARKS.md).
+    'varlen': with data.attention_mask='document', FlashAttention's variable-length kernel on
+    the packed documents instead of FlexAttention's masked one (CUDA only)."""
     extra: dict[str, Any] = field(default_factory=dict, init=False, metadata={"inline": True})
     """The family's own fields that are set, by name (written as `[model]` keys)."""
 

@@ -9,8 +9,17 @@ each query then sees only earlier keys of its own document. Which kernel runs:
 | | causal (mask None) | document mask |
 |---|---|---|
 | CUDA | SDPA `is_causal` (or chunked) | FlexAttention with a BlockMask, both compiled |
+| CUDA, model.attention = "varlen" | SDPA `is_causal` | FlashAttention's varlen kernel |
 | CPU, model.attention = "sdpa" | SDPA `is_causal` | SDPA with a (batch, 1, seq, seq) mask |
 | CPU, model.attention = "chunked" | chunked causal | chunked, comparing document ids per block |
+
+"varlen" (`VarlenMask`, CUDA only: launch/check.py refuses it elsewhere) packs the batch's
+documents into one sequence of sequences, as FlashAttention's variable-length kernels take them
+(`torch.nn.attention.varlen.varlen_attn`): each document a causal attention of its own, with no
+mask built and no masked block visited. Its cumulative lengths come from the document ids once
+per forward; the longest length it is told is the window (an upper bound: no host sync, and one
+shape for compiled blocks), which costs only early-exiting thread blocks when a window holds
+many short documents.
 
 Under context parallel (parallel/cp.py) `document_mask` returns a `SplitMask` instead, ids or
 not: this rank's queries are some rows of the sequence and `attention` gathers the whole
@@ -56,10 +65,23 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 BLOCK_ELEMENTS = 1 << 21
 QUERY_ROWS = 128
 
+
+@dataclass(frozen=True)
+class VarlenMask:
+    """The batch's documents as FlashAttention's variable-length kernel takes them (model.attention
+    = "varlen"): the (batch x seq) tokens in order, cut into documents."""
+
+    cu_seqlens: torch.Tensor
+    """(documents + 1,) int32: where each document starts in the flattened tokens, then their
+    number."""
+    max_len: int
+    """An upper bound of a document's length: the window's."""
+
+
 # What `document_mask` builds for `attention`: a FlexAttention BlockMask (CUDA), a boolean
-# or additive float (batch, 1, seq, seq) mask (CPU SDPA), or the (batch, seq) document ids
-# themselves (chunked).
-Mask = BlockMask | torch.Tensor
+# or additive float (batch, 1, seq, seq) mask (CPU SDPA), the (batch, seq) document ids
+# themselves (chunked), or the documents' lengths (varlen).
+Mask = BlockMask | torch.Tensor | VarlenMask
 
 
 @dataclass(frozen=True)
@@ -111,12 +133,51 @@ def document_mask(
         return split(document_ids, impl, dtype)
     if document_ids is None:
         return None
+    if impl == "varlen":
+        return varlen_mask(document_ids)
     if document_ids.device.type == "cuda":
         return _flex_block_mask(document_ids)
     if impl == "chunked":  # compared block by block inside the kernel: nothing seq^2 is built
         return document_ids
     same = document_ids[:, :, None] == document_ids[:, None, :]
     return sdpa_mask(same.tril_().unsqueeze(1), dtype)  # (batch, 1, seq, seq): all heads
+
+
+def check_attention(impl: str | None, on_gpu: bool, cp: int) -> None:
+    """ConfigError, before any process group, for a model.attention this run cannot use."""
+    from configs import ConfigError
+
+    if impl != "varlen":
+        return
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"model.attention='varlen': torch {torch.__version__} has no "
+            "torch.nn.attention.varlen; use 'sdpa' (FlexAttention for document masks)"
+        ) from None
+    if not on_gpu:
+        raise ConfigError(
+            "model.attention='varlen' runs FlashAttention's variable-length kernel, which needs "
+            "a CUDA device: on CPU use 'sdpa', or 'chunked' for bf16"
+        )
+    if cp > 1:
+        raise ConfigError(
+            "model.attention='varlen' with parallel.cp > 1: a rank holds parts of documents "
+            "whose keys come from other ranks; use 'sdpa' (FlexAttention over the gathered keys)"
+        )
+
+
+def varlen_mask(document_ids: torch.Tensor) -> VarlenMask:
+    """Each row's documents (ids nondecreasing along it) as consecutive sequences of the
+    flattened batch: a new one wherever the id changes or a row begins."""
+    batch, seq = document_ids.shape
+    flat = document_ids.flatten()
+    starts = flat[1:] != flat[:-1]
+    starts[seq - 1 :: seq] = True  # the first token of each later row
+    ends = torch.nonzero(starts).flatten() + 1
+    edges = [ends.new_zeros(1), ends, ends.new_full((1,), batch * seq)]
+    return VarlenMask(torch.cat(edges).to(torch.int32), seq)
 
 
 def sdpa_mask(allowed: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -164,10 +225,12 @@ def attention(
 ) -> torch.Tensor:
     """Attention of q (batch, heads, seq, head_dim) with k, v (batch, kv_heads, seq, head_dim),
     heads a multiple of kv_heads: causal (mask None), or as `document_mask` built `mask`.
-    `impl` is model.attention: 'sdpa' or 'chunked'."""
+    `impl` is model.attention: 'sdpa', 'chunked' or 'varlen'."""
     gqa = q.shape[1] != k.shape[1]  # SDPA and flex broadcast the shared kv heads, no copies
     if isinstance(mask, SplitMask):
         return _split_attention(q, k, v, mask, impl)
+    if isinstance(mask, VarlenMask):
+        return varlen_attention(q, k, v, mask)
     if isinstance(mask, BlockMask):
         flex, _ = _compiled_flex()
         return flex(q, k, v, block_mask=mask, enable_gqa=gqa)
@@ -176,6 +239,45 @@ def attention(
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=_as(mask, q), enable_gqa=gqa)
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask
+) -> torch.Tensor:
+    """`attention` of each document of `mask` on its own, causal, through FlashAttention's
+    variable-length kernel: (batch, heads, seq, head_dim) in and out, the kernel's (tokens,
+    heads, head_dim) between."""
+    batch, heads, seq, head_dim = q.shape
+
+    def packed(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).reshape(batch * seq, x.shape[1], head_dim)
+
+    out = _varlen_kernel()(packed(q), packed(k), packed(v), mask.cu_seqlens, mask.max_len)
+    return out.view(batch, seq, heads, head_dim).transpose(1, 2)
+
+
+@functools.cache
+def _varlen_kernel() -> Callable[..., torch.Tensor]:
+    """varlen_attn, causal, with grouped-query heads: `(q, k, v, cu_seqlens, max_len) -> out`.
+    torch 2.11 on takes `window_size=(-1, 0)` for causal (2.10 took is_causal); one without
+    `enable_gqa` gets the shared kv heads repeated."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+
+    def kernel(q, k, v, cu_seqlens, max_len):  # type: ignore[no-untyped-def]
+        gqa = {}
+        if q.shape[1] != k.shape[1]:
+            if "enable_gqa" in params:
+                gqa = {"enable_gqa": True}
+            else:
+                k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **causal, **gqa)
+
+    return kernel
 
 
 def _as(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -193,3 +193,53 @@ def test_document_masked_layers_share_one_saved_mask():
     )
     ours, boolean = dispatch(q, k, v, float_mask, "sdpa"), dispatch(q, k, v, bool_mask, "sdpa")
     torch.testing.assert_close(ours, boolean, rtol=0, atol=0)
+
+
+def _reference_varlen(q, k, v, cu_seqlens, max_len):
+    """FlashAttention's varlen kernel (CUDA only) on CPU: each sequence of the packed (tokens,
+    heads, head_dim) tensors, causal, through SDPA."""
+    assert max_len >= int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    bounds = cu_seqlens.tolist()
+    outs = [_sdpa(*(x[a:b].transpose(0, 1)[None] for x in (q, k, v)))[0].transpose(0, 1)
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+    return torch.cat(outs)
+
+
+def test_varlen_mask_cuts_each_row_into_its_documents():
+    """A document per run of equal ids, a new one at each row: 2 + 3, then 1 + 2 + 2 tokens."""
+    ids = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])
+    mask = document_mask(ids, "varlen")
+    assert mask.cu_seqlens.tolist() == [0, 2, 5, 6, 8, 10] and mask.max_len == 5
+    assert mask.cu_seqlens.dtype == torch.int32
+    same = torch.zeros(2, 4, dtype=torch.long)  # one document a row: still cut at the row
+    assert document_mask(same, "varlen").cu_seqlens.tolist() == [0, 4, 8]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2)])
+def test_varlen_packing_equals_the_document_mask_in_float64(monkeypatch, heads, kv_heads):
+    """model.attention='varlen' packs (batch, heads, seq, head_dim) into the kernel's (tokens,
+    heads, head_dim) and back: with the kernel's math on CPU, the outputs and gradients of SDPA
+    with the document mask, GQA included."""
+    monkeypatch.setattr(attention, "_varlen_kernel", lambda: _reference_varlen)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(3, heads, 40, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(3, kv_heads, 40, 8, generator=gen, dtype=torch.float64) for _ in "kv")
+    dout = torch.randn_like(q)
+    ids = _documents(3, 40, gen)
+    varlen = _attend(lambda *t: dispatch(*t, document_mask(ids, "varlen"), "varlen"), q, k, v, dout)
+    sdpa = _attend(lambda *t: dispatch(*t, document_mask(ids, "sdpa"), "sdpa"), q, k, v, dout)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), varlen, sdpa, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_varlen_is_refused_where_it_cannot_run():
+    """On CPU, and under context parallel, model.attention='varlen' is one config line."""
+    from configs import ConfigError
+    from model.attention import check_attention
+
+    check_attention("varlen", on_gpu=True, cp=1)
+    check_attention("sdpa", on_gpu=False, cp=2)
+    with pytest.raises(ConfigError, match="needs a CUDA device: on CPU use 'sdpa'"):
+        check_attention("varlen", on_gpu=False, cp=1)
+    with pytest.raises(ConfigError, match="'varlen' with parallel.cp > 1"):
+        check_attention("varlen", on_gpu=True, cp=2)

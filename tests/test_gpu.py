@@ -137,6 +137,71 @@ def test_flex_document_attention_matches_sdpa_with_the_same_mask(dtype: torch.dt
 
 
 @needs_gpu
+def test_varlen_document_attention_is_as_close_to_the_truth_as_sdpa() -> None:
+    """model.attention='varlen': FlashAttention's variable-length kernel on the packed
+    documents gives outputs and gradients as close to the float64 truth (SDPA with the boolean
+    mask) as SDPA's own in bf16; GQA (the kernel's own, or the heads repeated on a torch
+    without it), several documents a row, boundaries inside 128-token blocks."""
+    import torch.nn.functional as F
+
+    from data.documents import document_ids
+    from model.attention import VarlenMask, attention, document_mask
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    batch, heads, kv_heads, seq, head_dim = 2, 8, 2, 512, 64
+    ids = document_ids(torch.randint(0, 64, (batch, seq), device="cuda", generator=gen), 0)
+    assert (ids[:, -1] >= 3).all()
+    dense = document_mask(ids.cpu(), "sdpa").cuda()
+    mask = document_mask(ids, "varlen")
+    assert isinstance(mask, VarlenMask)
+
+    def run(fn: Callable, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        q, k, v, dout = (t.detach().clone().requires_grad_(i < 3) for i, t in enumerate(inputs))
+        out = fn(q, k, v)
+        out.backward(dout)
+        return [out.detach().double(), q.grad.double(), k.grad.double(), v.grad.double()]
+
+    shapes = [(batch, heads, seq, head_dim), *[(batch, kv_heads, seq, head_dim)] * 2]
+    shapes.append((batch, heads, seq, head_dim))
+    inputs = [torch.randn(s, device="cuda", generator=gen, dtype=torch.float64) for s in shapes]
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+
+    truth = run(sdpa, inputs)
+    low = [t.bfloat16() for t in inputs]
+    varlen = run(lambda q, k, v: attention(q, k, v, mask, "varlen"), low)
+    ref = run(sdpa, low)
+    for name, t, got, r in zip(("out", "dq", "dk", "dv"), truth, varlen, ref, strict=True):
+        err, err_sdpa = ((x - t).norm() / t.norm() for x in (got, r))
+        assert err < 2 * err_sdpa + 1e-3, f"{name}: varlen {err:.2e}, SDPA {err_sdpa:.2e}"
+
+
+@needs_gpu
+def test_varlen_document_masking_trains_as_flex_attention(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """The trainer with data.attention_mask=document and model.attention='varlen', eager and
+    in compiled blocks with op-level AC (bf16): the losses of FlexAttention's run."""
+    argv = [
+        f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+        "--parallel.device=cuda", "--parallel.param_dtype=bfloat16", "--train.steps=6",
+        "--train.micro_batch_size=8", "--data.attention_mask=document",
+    ]  # fmt: skip
+    compiled = ["--compile.enabled=true", "--ac.mode=op"]
+    runs = {
+        "flex": [], "varlen": ["--model.attention=varlen"],
+        "varlen_compiled": ["--model.attention=varlen", *compiled],
+    }  # fmt: skip
+    got = {name: run_distributed(train_losses, 1, [*argv, f"--run.name={name}", *extra])[0]
+           for name, extra in runs.items()}  # fmt: skip
+    assert got["varlen"][-1] < got["varlen"][0]
+    for name in ("varlen", "varlen_compiled"):
+        torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(got["flex"]), rtol=2e-2,
+                                   atol=0, msg=name)  # fmt: skip
+
+
+@needs_gpu
 @pytest.mark.parametrize("documents", [False, True])
 def test_flex_attention_under_context_parallel_gives_the_rows_of_the_whole(documents: bool) -> None:
     """Context parallel on CUDA: FlexAttention with the mask_mod over whole-sequence rows
