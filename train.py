@@ -71,6 +71,7 @@ from launch.lifecycle import (
     set_aside_earlier_attempt,
     setup_logging,
 )
+from launch.memory import memory_snapshot
 from launch.metrics import (
     MetricsLogger,
     RunSummary,
@@ -765,8 +766,12 @@ def loop(
         micro_batches = [run.to_batch(*batch) for batch in batches.next_step()]
         data_time = timer.lap()
         log = step % job.metrics.log_interval == 0 or step == t.steps
-        # One step (by default none) under torch.profiler: see metrics.profile_step.
-        with profile_step(job.metrics, step, run_dir, run.env.rank):
+        # One step (by default none) under torch.profiler, one with the allocator's history:
+        # see metrics.profile_step and metrics.memory_snapshot_step.
+        with (
+            profile_step(job.metrics, step, run_dir, run.env.rank),
+            memory_snapshot(job.metrics.memory_snapshot_step, step, run_dir, run.env.rank),
+        ):
             result = train_step(run, micro_batches, log, stop, checkpointer.save_done)
         if not result.committed:  # a replica group failed in it: the groups left run it again
             batches.again()

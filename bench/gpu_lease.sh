@@ -8,8 +8,12 @@
 #                                              # ours-8b8-x) and fp8 (graph: ours-8b8-fp8-x),
 #                                              # 1B bf16 (.gpu/titan/run.sh)
 #   bash bench/gpu_lease.sh part2 [BUDGET_S]   # tests/test_gpu.py, then bench/gpu.py: graph
-#                                              # FSDP, document masking (profiled), chunked
-#                                              # loss, Muon, LoRA in fp8 (P2_SUITES, P2_CASES)
+#                                              # FSDP, document masking (profiled; varlen too),
+#                                              # chunked loss, Muon, LoRA in fp8 (P2_SUITES,
+#                                              # P2_CASES)
+#   bash bench/gpu_lease.sh alloc [BUDGET_S]   # 8B blocks x 8 bf16, both trainers, under
+#                                              # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+#                                              # (part1 runs them with it unset)
 #   bash bench/gpu_lease.sh smoke              # CPU: both harnesses end to end on the debug model
 #
 # From the project root, with ../shared/titan-side-by-side copied into .gpu/ as its README says
@@ -17,7 +21,7 @@
 # part1: summary.{md,json}, kernels.md (each profiled step's kernel table), logs.tar.gz;
 # part2: gpu.json, gpu.md, part2-logs.tar.gz, pytest.log.
 set -uo pipefail
-part=${1:?part1, part2 or smoke}
+part=${1:?part1, part2, alloc or smoke}
 budget=${2:-420}
 OUT=${OUT:-/tmp/gpu-lease-out}
 PY=${PY:-python3}
@@ -40,7 +44,7 @@ kernel_tables() {  # WORK: one table per profiled step, then the logs without th
     { echo "## ${trace#"$work"/}"; echo '```'; timeout 60 "$PY" .gpu/titan/kernel_table.py \
         "$trace" 25; echo '```'; echo; } >> "$OUT/kernels.md" 2>&1
   done
-  tar czf "$OUT/logs.tar.gz" -C "$work" --exclude='*trace*.json' --exclude='*/profile/*' \
+  tar czf "$OUT/logs.tar.gz" -C "$work" --exclude='*trace*.json' --exclude='*/profile/*' --exclude='*.pickle' \
     logs titan ours 2>/dev/null
 }
 
@@ -51,11 +55,21 @@ case "$part" in
     WORK=$work OUT_DIR=$OUT BUDGET_S=$(( budget - 40 )) CASE_MAX_S=150 MIN_CASE_S=60 \
       STEPS=30 WARMUP=10 \
       TITAN_EXTRA="--profiling.enable_profiling --profiling.profile_freq=30 --profiling.profiler_warmup=0" \
-      OURS_EXTRA="--metrics.profile_step=30 ${OURS_EXTRA:-}" \
+      OURS_EXTRA="--metrics.profile_step=30 --metrics.memory_snapshot_step=30 ${OURS_EXTRA:-}" \
       OURS_X=${OURS_X:---compile.fsdp=graph} \
       bash .gpu/titan/run.sh ${CASES:-titan-8b8 ours-8b8 ours-8b8-x ours-8b8-fp8 titan-1b ours-1b \
         titan-8b8-fp8 ours-8b8-fp8-x}
     kernel_tables "$work"
+    ;;
+  alloc)
+    # The allocator lever (issue 59): the same pair as part1's first two, expandable segments
+    # on; ours snapshots its allocator after the last step (memory/*.txt in logs.tar.gz).
+    work=/tmp/titan-gpu-alloc
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+      WORK=$work OUT_DIR=$OUT BUDGET_S=$(( budget - 40 )) CASE_MAX_S=150 MIN_CASE_S=60 \
+      STEPS=30 WARMUP=10 OURS_EXTRA="--metrics.memory_snapshot_step=30 ${OURS_EXTRA:-}" \
+      bash .gpu/titan/run.sh ${CASES:-titan-8b8 ours-8b8}
+    tar czf "$OUT/alloc-logs.tar.gz" -C "$work" --exclude='*.pickle' . 2>/dev/null
     ;;
   part2|smoke)
     wheels

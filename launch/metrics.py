@@ -42,6 +42,10 @@ class MetricsConfig:
     profile_step: int = 0
     """Profile this step (0 = never) with torch.profiler on every rank: a Chrome trace and a
     table of the costliest ops per rank under <run dir>/profile/."""
+    memory_snapshot_step: int = 0
+    """Snapshot the CUDA caching allocator after this step (0 = never), its history of the
+    step recorded, on every rank: <run dir>/memory/, and where the memory reserved but not
+    allocated sits, logged (launch/memory.py). CUDA only."""
     wandb: bool = False
     """Also send every scalar to Weights & Biases (rank 0; `pip install -e .[wandb]`): a W&B
     run per start of the trainer, in a group named run.name (launch/wandb_run.py)."""

@@ -292,6 +292,55 @@ def test_graph_fsdp_with_float8_matches_eager_fsdp2_on_one_gpu(
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=5e-3, atol=0)
 
 
+def test_memory_summary_names_where_the_cached_memory_sits() -> None:
+    """launch/memory.py's summary of a snapshot (torch's layout): segments grouped by stream,
+    pool and size class, the one caching the most first, with its largest free block."""
+    from launch.memory import GIB, summarize, summary_lines
+
+    def segment(stream: int, kind: str, blocks: list[tuple[int, str]]) -> dict:
+        total = sum(size for size, _ in blocks)
+        used = sum(size for size, state in blocks if state == "active_allocated")
+        return {"stream": stream, "segment_pool_id": (0, 0), "segment_type": kind,
+                "total_size": total, "allocated_size": used, "active_size": used,
+                "blocks": [{"size": size, "state": state} for size, state in blocks]}  # fmt: skip
+
+    snapshot = {"segments": [
+        segment(0, "large", [(4 * GIB, "active_allocated"), (GIB // 2, "inactive")]),
+        segment(0, "large", [(2 * GIB, "active_allocated")]),
+        segment(7, "large", [(GIB, "inactive"), (GIB, "active_allocated"), (GIB, "inactive")]),
+        segment(0, "small", [(2**20, "active_allocated"), (2**19, "inactive")]),
+    ]}  # fmt: skip
+    groups = summarize(snapshot)
+    assert [(g["stream"], g["kind"]) for g in groups] == [(7, "large"), (0, "large"), (0, "small")]
+    assert groups[0] | {} == {"stream": 7, "pool": (0, 0), "kind": "large", "segments": 1,
+                              "reserved": 3 * GIB, "allocated": GIB, "active": GIB,
+                              "largest_free": GIB}  # fmt: skip
+    assert groups[1]["segments"] == 2 and groups[1]["largest_free"] == GIB // 2
+    lines = summary_lines(5, groups)
+    assert lines[0].startswith("memory after step 5: reserved 9.50 GiB, allocated 7.00 GiB")
+    assert "stream 7 pool (0, 0) large: 1 segments" in lines[1] and "cached 2.00 GiB" in lines[1]
+
+
+@needs_gpu
+def test_a_memory_snapshot_of_a_step_is_written_and_summarized(
+    tiny_dataset: str, tmp_path: Path
+) -> None:
+    """metrics.memory_snapshot_step on one GPU: the allocator's snapshot of that step (with
+    its history) and its summary, whose reserved memory is the segments'."""
+    import pickle
+
+    argv = [f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+            "--parallel.device=cuda", "--train.steps=3", "--train.micro_batch_size=8",
+            "--metrics.memory_snapshot_step=2"]  # fmt: skip
+    run_distributed(train_losses, 1, argv)
+    out = tmp_path / "debug" / "memory"
+    snapshot = pickle.loads((out / "step2_rank0.pickle").read_bytes())
+    assert snapshot["device_traces"] and snapshot["device_traces"][0]  # the step's history
+    reserved = sum(s["total_size"] for s in snapshot["segments"])
+    summary = (out / "step2_rank0.txt").read_text()
+    assert f"reserved {reserved / 2**30:.2f} GiB" in summary.splitlines()[0]
+
+
 def test_cuda_memory_peaks_are_those_of_the_interval_since_the_last_log(monkeypatch) -> None:
     """torchtitan's rule, so that the two trainers' peaks after warm-up read alike: each read of
     the allocator's peaks starts a new interval."""
