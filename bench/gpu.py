@@ -208,7 +208,15 @@ SUITES = {
         "cases": {
             "bf16 compile": COMPILE,
             "bf16 compile graph": [*COMPILE, "--compile.fsdp=graph"],
+            # Issue 59, lever 4: the graph's kernels launched as CUDA graphs (host gaps).
+            "bf16 compile graph cudagraphs": [
+                *COMPILE,
+                "--compile.fsdp=graph",
+                "--compile.cudagraphs=true",
+            ],
         },
+        # --smoke runs on CPU, where CUDA graphs are refused: the harness runs without them.
+        "smoke": ["--compile.cudagraphs=false"],
     },
     # Issue #56 (compile.fsdp="graph" composed): tensor parallel and pipeline stages need 2 or
     # more GPUs (one rank per GPU, all of them on tp, or on pp); the graph against per-block

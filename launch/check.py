@@ -53,7 +53,7 @@ from model import ModelFamily, get_family, get_hf_mapping, output_layer, persist
 from model.attention import check_attention
 from parallel.ac import ActivationCheckpointConfig
 from parallel.build import build_model
-from parallel.compile import CompileConfig
+from parallel.compile import CompileConfig, check_cudagraphs
 from parallel.cp import check_cp
 from parallel.dims import LaunchEnv
 from parallel.dpo import DPOLoss
@@ -159,6 +159,8 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
     check_float8(job.fp8, "cuda" if on_gpu else "cpu")
     # A dry run plans for the cluster: its kernels need not run here.
     check_attention(job.model.attention, on_gpu or job.dry_run, job.parallel.cp)
+    check_cudagraphs(job.compile, on_gpu or job.dry_run, job.data.attention_mask, bool(tasks),
+                     job.parallel.pp)  # fmt: skip
     check_muon(job.optim.name, job.parallel.cpu_offload)
     if not job.dry_run:  # as for the data: a dry run plans, W&B need not be set up here (yet)
         check_wandb(job.metrics, os.environ)

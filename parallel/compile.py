@@ -53,6 +53,12 @@ class CompileConfig:
     default is about one Llama 3 8B block in bf16, FSDP2's unit there; for a smaller model use
     about one of its blocks (one bucket for a whole model overlaps nothing: BENCHMARKS.md)."""
 
+    cudagraphs: bool = False
+    """With fsdp='graph' on CUDA: replay the compiled model's forward and backward as CUDA
+    graphs (Inductor's CUDA graph trees, torch.compile's mode='reduce-overhead'), which
+    launch a whole graph's kernels at once instead of one by one from the host
+    (parallel/compile.py `check_cudagraphs` says where it is refused)."""
+
     def __post_init__(self) -> None:
         if self.bucket_mb < 0:
             raise ConfigError(f"compile.bucket_mb must be >= 0, got {self.bucket_mb}")
@@ -117,3 +123,27 @@ def compile_around(module: nn.Module, apart: Sequence[nn.Module], cfg: CompileCo
 def _holds(module: nn.Module, apart: Sequence[nn.Module]) -> bool:
     ids = {id(m) for m in apart}
     return any(id(m) in ids for m in module.modules())
+
+
+def check_cudagraphs(
+    cfg: CompileConfig, on_gpu: bool, attention_mask: str, eval_tasks: bool, pp: int
+) -> None:
+    """ConfigError, before any process group, for compile.cudagraphs where a CUDA graph
+    cannot hold the step: a graph replays fixed shapes and addresses, recorded once."""
+    if not cfg.cudagraphs:
+        return
+    refused = (
+        (not on_gpu, "on CPU", "CUDA graphs need a CUDA device"),
+        (cfg.fsdp != "graph" or cfg.backend != "inductor", "without compile.fsdp='graph' "
+         "and compile.backend='inductor'", "only the graph path compiles the whole model "
+         "(FSDP2's hooks run eagerly between compiled blocks, so no graph holds a step)"),
+        (attention_mask == "document", "data.attention_mask='document'", "each batch's "
+         "documents give its mask another shape, and every new shape records a new graph"),
+        (eval_tasks, "eval.tasks", "the tasks' requests come in lengths of their own, each "
+         "recording a graph that is used once"),
+        (pp > 1, "parallel.pp > 1", "the pipeline's stages run one micro-batch at a time "
+         "around point-to-point sends outside the graphs; untested on a GPU"),
+    )  # fmt: skip
+    for hit, setting, why in refused:
+        if hit:
+            raise ConfigError(f"compile.cudagraphs {setting}: {why}; leave it off")

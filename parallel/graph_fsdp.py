@@ -282,7 +282,8 @@ def apply_graph_fsdp(
         model.__class__ = type(model.__class__.__name__, (GraphFSDPModule, model.__class__), {})
     kwargs: dict[str, Any] = {"fullgraph": compile_cfg.fullgraph, "backend": compile_cfg.backend}
     if compile_cfg.backend == "inductor":
-        kwargs["options"] = inductor_options(compile_cfg.bucket_mb, parallel.reshard_after_forward)
+        kwargs["options"] = inductor_options(compile_cfg.bucket_mb, parallel.reshard_after_forward,
+                                             compile_cfg.cudagraphs)  # fmt: skip
     # The forward, not the module's call: the hooks on the root (a pipeline stage's, which
     # time it and collect its step terms: parallel/pp.py) stay eager code around the graph.
     model.forward = torch.compile(model.forward, **kwargs)

@@ -11,19 +11,22 @@ import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy
 
 
-def inductor_options(bucket_mb: float, reshard_after_forward: str) -> dict[str, Any]:
+def inductor_options(
+    bucket_mb: float, reshard_after_forward: str, cudagraphs: bool = False
+) -> dict[str, Any]:
     """Inductor settings for the compiled model (passed per compile, not set globally): FSDP
     bucketing of all-gathers and reduce-scatters (and HSDP's all-reduces) up to `bucket_mb`
-    MB (0: none), reordering for overlap, and the resharding policy. Their names changed across
-    torch releases: each is set only where this torch has it (tests/test_graph_fsdp.py fails
-    when bucketing does not happen)."""
+    MB (0: none), reordering for overlap, the resharding policy, and CUDA graphs
+    (`cudagraphs`: what mode='reduce-overhead' sets, which torch.compile takes only without
+    options). Their names changed across torch releases: each is set only where this torch has
+    it (tests/test_graph_fsdp.py fails when bucketing does not happen)."""
     import torch._inductor.comms as comms
     import torch._inductor.config as inductor
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     CustomGraphPass.register(_ReshardPolicy)
 
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"triton.cudagraphs": True} if cudagraphs else {}
     if bucket_mb > 0:
         for kind, mode in (("all_gathers", "only_fsdp"), ("reduce_scatters", "all"),
                            ("all_reduces", "all")):  # fmt: skip

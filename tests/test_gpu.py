@@ -275,6 +275,22 @@ def test_graph_fsdp_matches_eager_fsdp2_on_one_gpu(short_docs: str, tmp_path: Pa
 
 
 @needs_gpu
+def test_cuda_graphs_replay_the_graph_paths_steps(tiny_dataset: str, tmp_path: Path) -> None:
+    """compile.cudagraphs with compile.fsdp='graph' on one GPU, 2 micro-batches a step and a
+    validation between steps: the losses of the graph path without CUDA graphs (fp32)."""
+    argv = [
+        f"--data.path={tiny_dataset}", f"--run.output_dir={tmp_path}", *TINY,
+        "--parallel.device=cuda", "--parallel.param_dtype=float32", "--train.steps=6",
+        "--train.micro_batch_size=4", "--train.eval_interval=3", "--train.eval_batches=1",
+        "--compile.enabled=true", "--compile.fsdp=graph",
+    ]  # fmt: skip
+    cudagraphs = ["--run.name=cudagraphs", "--compile.cudagraphs=true"]
+    plain = run_distributed(train_losses, 1, [*argv, "--run.name=plain"], timeout=600)[0]
+    graphs = run_distributed(train_losses, 1, [*argv, *cudagraphs], timeout=600)[0]
+    torch.testing.assert_close(torch.tensor(graphs), torch.tensor(plain), rtol=1e-5, atol=0)
+
+
+@needs_gpu
 def test_graph_fsdp_with_float8_matches_eager_fsdp2_on_one_gpu(
     short_docs: str, tmp_path: Path
 ) -> None:

@@ -350,6 +350,30 @@ def test_what_the_graph_path_refuses_is_one_config_line(flags: list[str], refuse
         parse_config(JobConfig, ["--compile.fsdp=graph"])
 
 
+def test_cuda_graphs_are_refused_where_a_graph_cannot_hold_the_step() -> None:
+    """compile.cudagraphs: on with the graph path on CUDA (Inductor's triton.cudagraphs), one
+    config line elsewhere: CPU, FSDP2's hooks, document masks, eval tasks, pipeline stages."""
+    from configs import ConfigError
+    from parallel.compile import CompileConfig, check_cudagraphs
+    from parallel.graph_passes import inductor_options
+
+    on = CompileConfig(enabled=True, fsdp="graph", cudagraphs=True)
+    check_cudagraphs(on, True, "causal", False, 1)
+    check_cudagraphs(CompileConfig(enabled=True), False, "document", True, 2)  # off: nothing
+    assert inductor_options(0, "default", cudagraphs=True)["triton.cudagraphs"] is True
+    assert "triton.cudagraphs" not in inductor_options(0, "default")
+    hooks = CompileConfig(enabled=True, cudagraphs=True)
+    for args, refused in (
+        ((on, False, "causal", False, 1), "on CPU"),
+        ((hooks, True, "causal", False, 1), "without compile.fsdp='graph'"),
+        ((on, True, "document", False, 1), "data.attention_mask='document'"),
+        ((on, True, "causal", True, 1), "eval.tasks"),
+        ((on, True, "causal", False, 2), "parallel.pp > 1"),
+    ):
+        with pytest.raises(ConfigError, match=f"compile.cudagraphs {refused}"):
+            check_cudagraphs(*args)
+
+
 @pytest.mark.parametrize("version, refused", [("2.11.0+cu130", True), ("2.13.0+cpu", False)])
 def test_chunked_loss_in_graph_mode_needs_torch_2_13(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, version: str, refused: bool
