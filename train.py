@@ -276,9 +276,9 @@ class Run:
     plan: Plan
     env: LaunchEnv
     built: BuiltModel
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     objective: Objective
-    """What the step minimizes: the cross-entropy, or DPO (parallel/objective.py)."""
+    """What the step minimizes: the cross-entropy (its loss function possibly compiled or
+    chunked), or DPO (parallel/objective.py)."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     device: torch.device
@@ -499,8 +499,8 @@ def setup(
     pipeline = None
     if built.stages:  # the step's micro-batches through this rank's stages (parallel/pp.py)
         pipeline = Pipeline(built.stages, mesh["pp"], device, p.pipeline, plan.grad_accum_steps)
-    return Run(job, plan, env, built, loss_fn, objective, optimizer, scheduler, device, dp_rank,
-               dp_size, to_batch, keep_gathered=keep_gathered, pipeline=pipeline)  # fmt: skip
+    return Run(job, plan, env, built, objective, optimizer, scheduler, device, dp_rank, dp_size,
+               to_batch, keep_gathered=keep_gathered, pipeline=pipeline)  # fmt: skip
 
 
 def initialize(
