@@ -7,10 +7,11 @@
 #                                              # bf16 (FSDP2's hooks, and compile.fsdp=graph as
 #                                              # ours-8b8-x) and fp8 (graph: ours-8b8-fp8-x),
 #                                              # 1B bf16 (.gpu/titan/run.sh)
-#   bash bench/gpu_lease.sh part2 [BUDGET_S]   # tests/test_gpu.py, then bench/gpu.py: graph
-#                                              # FSDP, document masking (profiled; varlen too),
-#                                              # chunked loss, Muon, LoRA in fp8 (P2_SUITES,
-#                                              # P2_CASES)
+#   bash bench/gpu_lease.sh part2 [BUDGET_S]   # tests/test_gpu.py, Muon's optimizer step
+#                                              # alone, then bench/gpu.py: graph FSDP (CUDA
+#                                              # graphs too), document masking (profiled;
+#                                              # varlen too), chunked loss, Muon, LoRA in fp8
+#                                              # (P2_SUITES, P2_CASES)
 #   bash bench/gpu_lease.sh alloc [BUDGET_S]   # 8B blocks x 8 bf16, both trainers, under
 #                                              # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 #                                              # (part1 runs them with it unset)
@@ -82,6 +83,12 @@ case "$part" in
       timeout "${P2_PYTEST_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -n 0 -rfEs \
         tests/test_gpu.py > "$OUT/pytest.log" 2>&1
       echo "pytest rc=$? at $(( $(date +%s) - start )) s"; tail -5 "$OUT/pytest.log"
+    fi
+    # Muon's optimizer step alone on the 1B (issue 59, part 2): what it adds to a step.
+    if [ "$part" = part2 ]; then
+      timeout 90 "$PY" bench/muon.py --parts step --device cuda --step-flavor 1B \
+        --step-rounds 2 --out "$work/muon_step.json" > "$OUT/muon_step.md" 2>&1
+      echo "bench/muon.py step rc=$? at $(( $(date +%s) - start )) s"
     fi
     # The 1B compiled baseline runs once and serves documents, loss and Muon (same command).
     # P2_SUITES / P2_CASES choose others (bench/gpu.py --suite / --cases).

@@ -15,7 +15,8 @@ leaves to AdamW. The best lr of each then runs the other seeds.
 Overhead: the throughput benchmark's debug case (16 x 256 tokens a step) with AdamW
 and with Muon, alternated, on 1 and 4 gloo ranks; median seconds per step after warm-up.
 Step: optimizer.step() alone on one process, the same model with random gradients, AdamW
-and Muon alternated (what Muon adds to a step, free of the forward and backward's noise).
+and Muon alternated (what Muon adds to a step, free of the forward and backward's noise); on a
+GPU: `--parts step --device cuda --step-flavor 1B` (bench/gpu_lease.sh part2 runs it).
 JSON with every command and number to --out.
 """
 
@@ -137,20 +138,31 @@ def optimizer_step(opts: Namespace) -> dict:
     from train import build_optimizer
 
     torch.set_num_threads(opts.threads)
+    device = torch.device(opts.device)
+    # The debug model as the other parts train it, or a flavor with its own vocabulary.
+    shape = MODEL if opts.step_flavor == "debug" else [f"--model.flavor={opts.step_flavor}"]
+
+    def synchronized() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(opts.step_rounds):
         for name, extra in VARIANTS.items():
-            job = parse_config(JobConfig, [*MODEL, *extra])
+            job = parse_config(JobConfig, [*shape, *extra])
             family = get_family(job.model.name)
-            model = family.build_model(family.build_args(job.model))
+            with device:
+                model = family.build_model(family.build_args(job.model))
             optimizer = build_optimizer(model, job.optim, family.fsdp_units(model))
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
             optimizer.step()  # state allocated
-            start = time.perf_counter()
+            start = synchronized()
             for _ in range(3):
                 optimizer.step()
-            times[name].append((time.perf_counter() - start) / 3 * 1000)
+            times[name].append((synchronized() - start) / 3 * 1000)
+            del model, optimizer  # one model's state on the device at a time
     result = {name: statistics.median(t) for name, t in times.items()} | {"samples": times}
     print(f"  optimizer.step ms: {result}", file=sys.stderr)
     return result
@@ -176,7 +188,7 @@ def markdown(report: dict) -> str:
                      else "") for v in VARIANTS]  # fmt: skip
             lines.append(f"| {world} | " + " | ".join(cells) + " |")
     if "step" in report:
-        lines += ["", "| optimizer.step(), debug model, 1 process | " + " | ".join(VARIANTS) + " |",
+        lines += ["", "| optimizer.step(), 1 process | " + " | ".join(VARIANTS) + " |",
                   "|---" * (len(VARIANTS) + 1) + "|",
                   "| ms (median) | " + " | ".join(f"{report['step'][v]:.0f}" for v in VARIANTS)
                   + " |"]  # fmt: skip
@@ -187,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", nargs="+", default=["quality", "overhead", "step"])
     p.add_argument("--step-rounds", type=int, default=5, help="step: alternations")
+    p.add_argument("--device", default="cpu", help="step: where the model and its state live")
+    p.add_argument("--step-flavor", default="debug", help="step: the llama3 flavor")
     p.add_argument("--steps", type=int, default=150, help="quality runs' train.steps")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--lrs", type=float, nargs="+", default=LRS)
