@@ -91,10 +91,11 @@ case "$part" in
       echo "bench/muon.py step rc=$? at $(( $(date +%s) - start )) s"
     fi
     # The 1B compiled baseline runs once and serves documents, loss and Muon (same command).
+    # Last, while budget lasts: the MoE at ep 1 compiled in whole blocks and in EP's regions.
     # P2_SUITES / P2_CASES choose others (bench/gpu.py --suite / --cases).
     timeout $(( $(left) - 20 )) "$PY" bench/gpu.py \
-      --suite ${P2_SUITES:-graph-fsdp documents loss muon lora-fp8} \
-      --cases "${P2_CASES:-^(graph-fsdp|documents|loss|lora-fp8)|muon: bf16 compile (adamw|muon)$}" \
+      --suite ${P2_SUITES:-graph-fsdp documents loss muon lora-fp8 moe} \
+      --cases "${P2_CASES:-^(graph-fsdp|documents|loss|lora-fp8)|muon: bf16 compile (adamw|muon)$|moe: bf16 compile}" \
       --steps 20 --warmup 10 --interval 2 --profile "${smoke[@]}" \
       --budget-s $(( $(left) - 60 )) --case-timeout 110 --min-case-s 50 \
       --out "$work/gpu.json" > "$OUT/gpu.md" 2> "$OUT/gpu.err"
