@@ -71,7 +71,6 @@ from launch.lifecycle import (
     set_aside_earlier_attempt,
     setup_logging,
 )
-from launch.memory import memory_snapshot
 from launch.metrics import (
     MetricsLogger,
     RunSummary,
@@ -79,7 +78,7 @@ from launch.metrics import (
     Timer,
     memory_stats,
     peak_tflops,
-    profile_step,
+    step_instruments,
 )
 from launch.preflight import network_problem
 from launch.resume_rules import resume_changes
@@ -768,10 +767,7 @@ def loop(
         log = step % job.metrics.log_interval == 0 or step == t.steps
         # One step (by default none) under torch.profiler, one with the allocator's history:
         # see metrics.profile_step and metrics.memory_snapshot_step.
-        with (
-            profile_step(job.metrics, step, run_dir, run.env.rank),
-            memory_snapshot(job.metrics.memory_snapshot_step, step, run_dir, run.env.rank),
-        ):
+        with step_instruments(job.metrics, step, run_dir, run.env.rank):
             result = train_step(run, micro_batches, log, stop, checkpointer.save_done)
         if not result.committed:  # a replica group failed in it: the groups left run it again
             batches.again()

@@ -322,6 +322,19 @@ def profile_step(cfg: MetricsConfig, step: int, run_dir: Path, rank: int) -> Ite
         logger.info("profile of step %d written to %s", step, out)
 
 
+@contextlib.contextmanager
+def step_instruments(cfg: MetricsConfig, step: int, run_dir: Path, rank: int) -> Iterator[None]:
+    """The body (step `step`) under what the config asks of that step: torch.profiler
+    (`profile_step`), the CUDA allocator's history and snapshot (launch/memory.py)."""
+    from launch.memory import memory_snapshot
+
+    with (
+        profile_step(cfg, step, run_dir, rank),
+        memory_snapshot(cfg.memory_snapshot_step, step, run_dir, rank),
+    ):
+        yield
+
+
 class Timer:
     """Wall-clock seconds; synchronizes CUDA so GPU work is counted where it happens."""
 
