@@ -153,14 +153,7 @@ def check_config(job: JobConfig, env: LaunchEnv) -> Plan:
         check_dpo_data(job, sources)  # DPO's pairs: before the checks of other datasets
         check_dataset(job, args, sources)
     tasks = check_tasks(job, sources)
-    if job.parallel.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
-    on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()
-    check_float8(job.fp8, "cuda" if on_gpu else "cpu")
-    # A dry run plans for the cluster: its kernels need not run here.
-    check_attention(job.model.attention, on_gpu or job.dry_run, job.parallel.cp)
-    check_cudagraphs(job.compile, on_gpu or job.dry_run, job.data.attention_mask, bool(tasks),
-                     job.parallel.pp)  # fmt: skip
+    check_device_settings(job, bool(tasks))
     check_muon(job.optim.name, job.parallel.cpu_offload)
     if not job.dry_run:  # as for the data: a dry run plans, W&B need not be set up here (yet)
         check_wandb(job.metrics, os.environ)
@@ -475,6 +468,19 @@ def check_dataset(job: JobConfig, args: Any, sources: tuple[DataSource, ...]) ->
         # A split too short for one window, or fewer windows than eval_batches asks for, would
         # fail at the first evaluation (after the steps before it) or silently repeat data.
         check_eval_split(source.index, job.data.seq_len, t.global_batch_size, t.eval_batches)
+
+
+def check_device_settings(job: JobConfig, eval_tasks: bool) -> None:
+    """ConfigError for what this device cannot run: CUDA asked for and absent, float8 without
+    its kernels, CUDA-only attention and CUDA graphs (a dry run plans for the cluster: those
+    kernels need not run here)."""
+    if job.parallel.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("parallel.device='cuda' but no CUDA device is visible")
+    on_gpu = job.parallel.device != "cpu" and torch.cuda.is_available()
+    check_float8(job.fp8, "cuda" if on_gpu else "cpu")
+    check_attention(job.model.attention, on_gpu or job.dry_run, job.parallel.cp)
+    check_cudagraphs(job.compile, on_gpu or job.dry_run, job.data.attention_mask, eval_tasks,
+                     job.parallel.pp)  # fmt: skip
 
 
 def _ep_ranks(plan: Plan) -> str:
