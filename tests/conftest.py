@@ -62,26 +62,6 @@ def outputs_state() -> set[tuple[str, int, int]]:
     return state
 
 
-# Seconds each of the heaviest test files took on one worker (the default run, 2026-11-29 at
-# 7378a03). xdist hands whole files to its workers in collection order (`--dist loadfile
-# --no-loadscope-reorder`): the heaviest first, so that the run ends on short files instead
-# of one worker finishing a long one alone (the full run's wall time varied 591-745 s with
-# xdist's own order, by test count).
-FILE_SECONDS = {
-    "test_launch.py": 261, "test_checkpoint.py": 144, "test_families.py": 130, "test_ft.py": 87,
-    "test_pp.py": 86, "test_moe_compose.py": 74, "test_float8.py": 69, "test_tp.py": 61,
-    "test_graph_fsdp.py": 61, "test_qwen3.py": 58, "test_plan.py": 55, "test_operations.py": 54,
-    "test_finetune.py": 51, "test_graph_compose.py": 48, "test_cp.py": 44, "test_cli.py": 37,
-    "test_muon.py": 37, "test_dpo.py": 35, "test_moe_trainer.py": 32, "test_health.py": 31,
-    "test_elastic.py": 31, "test_train.py": 27, "test_wandb.py": 26, "test_ac_compile.py": 23,
-}  # fmt: skip
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The heaviest files first (`FILE_SECONDS`); each file's tests keep their order."""
-    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))
-
-
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not hasattr(session.config, "workerinput"):  # the controller: once per run
         session.config.stash[OUTPUTS_BEFORE] = outputs_state()
