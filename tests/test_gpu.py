@@ -9,6 +9,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -92,43 +93,58 @@ def test_init_on_cuda_is_bitwise_the_cpu_init(dtype: torch.dtype) -> None:
     assert torch.equal(shards[0], shards[2]) and torch.equal(shards[1], shards[3])
 
 
+@dataclass
+class _DocumentAttention:
+    """A CUDA document-attention case: 2 rows of 512 tokens, several documents a row with
+    boundaries inside 128-token blocks, GQA (8 query heads, 2 kv heads)."""
+
+    ids: torch.Tensor
+    inputs: list[torch.Tensor]  # q, k, v and the output's gradient, float64
+    dense: torch.Tensor  # SDPA's (batch, 1, seq, seq) boolean mask
+
+    @classmethod
+    def make(cls) -> _DocumentAttention:
+        from data.documents import document_ids
+        from model.attention import document_mask
+
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        batch, heads, kv_heads, seq, head_dim = 2, 8, 2, 512, 64
+        ids = document_ids(torch.randint(0, 64, (batch, seq), device="cuda", generator=gen), 0)
+        assert (ids[:, -1] >= 3).all()  # several documents per row
+        shapes = [(batch, heads, seq, head_dim), *[(batch, kv_heads, seq, head_dim)] * 2]
+        shapes.append((batch, heads, seq, head_dim))
+        inputs = [torch.randn(s, device="cuda", generator=gen, dtype=torch.float64) for s in shapes]
+        return cls(ids, inputs, document_mask(ids.cpu(), "sdpa").cuda())
+
+    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.dense, enable_gqa=True)
+
+    def run(self, fn: Callable, dtype: torch.dtype) -> list[torch.Tensor]:
+        """`fn(q, k, v)`'s output and the gradients of q, k, v, in `dtype`, as float64."""
+        inputs = [t.to(dtype) for t in self.inputs]
+        q, k, v, dout = (t.detach().clone().requires_grad_(i < 3) for i, t in enumerate(inputs))
+        out = fn(q, k, v)
+        out.backward(dout)
+        return [out.detach().double(), q.grad.double(), k.grad.double(), v.grad.double()]
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flex_document_attention_matches_sdpa_with_the_same_mask(dtype: torch.dtype) -> None:
     """On CUDA a document mask runs compiled FlexAttention with a BlockMask: its output and
     gradients are as close to the float64 truth (SDPA with the boolean mask) as SDPA's own in
     the same dtype; GQA, several documents per row, boundaries inside 128-token blocks."""
-    import torch.nn.functional as F
-
-    from data.documents import document_ids
     from model.attention import BlockMask, attention, document_mask
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    batch, heads, kv_heads, seq, head_dim = 2, 8, 2, 512, 64
-    ids = document_ids(torch.randint(0, 64, (batch, seq), device="cuda", generator=gen), 0)
-    assert (ids[:, -1] >= 3).all()  # several documents per row
-    dense = document_mask(ids.cpu(), "sdpa").cuda()  # (batch, 1, seq, seq) boolean
-    block_mask = document_mask(ids, "sdpa")
+    case = _DocumentAttention.make()
+    block_mask = document_mask(case.ids, "sdpa")
     assert isinstance(block_mask, BlockMask)
-
-    def run(fn: Callable, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        q, k, v, dout = (t.detach().clone().requires_grad_(i < 3) for i, t in enumerate(inputs))
-        out = fn(q, k, v)
-        out.backward(dout)
-        return [out.detach().double(), q.grad.double(), k.grad.double(), v.grad.double()]
-
-    shapes = [(batch, heads, seq, head_dim), *[(batch, kv_heads, seq, head_dim)] * 2]
-    shapes.append((batch, heads, seq, head_dim))
-    inputs = [torch.randn(s, device="cuda", generator=gen, dtype=torch.float64) for s in shapes]
-
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
-
-    truth = run(sdpa, inputs)
-    low = [t.to(dtype) for t in inputs]
-    flex = run(lambda q, k, v: attention(q, k, v, block_mask, "sdpa"), low)
-    ref = run(sdpa, low)
-    causal = run(lambda q, k, v: attention(q, k, v, None, "sdpa"), low)
+    truth = case.run(case.sdpa, torch.float64)
+    flex = case.run(lambda q, k, v: attention(q, k, v, block_mask, "sdpa"), dtype)
+    ref = case.run(case.sdpa, dtype)
+    causal = case.run(lambda q, k, v: attention(q, k, v, None, "sdpa"), dtype)
     slack = 1e-5 if dtype == torch.float32 else 1e-3
     for name, t, f, r, c in zip(("out", "dq", "dk", "dv"), truth, flex, ref, causal, strict=True):
         err_flex, err_sdpa = ((x - t).norm() / t.norm() for x in (f, r))
@@ -142,36 +158,14 @@ def test_varlen_document_attention_is_as_close_to_the_truth_as_sdpa() -> None:
     documents gives outputs and gradients as close to the float64 truth (SDPA with the boolean
     mask) as SDPA's own in bf16; GQA (the kernel's own, or the heads repeated on a torch
     without it), several documents a row, boundaries inside 128-token blocks."""
-    import torch.nn.functional as F
-
-    from data.documents import document_ids
     from model.attention import VarlenMask, attention, document_mask
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    batch, heads, kv_heads, seq, head_dim = 2, 8, 2, 512, 64
-    ids = document_ids(torch.randint(0, 64, (batch, seq), device="cuda", generator=gen), 0)
-    assert (ids[:, -1] >= 3).all()
-    dense = document_mask(ids.cpu(), "sdpa").cuda()
-    mask = document_mask(ids, "varlen")
+    case = _DocumentAttention.make()
+    mask = document_mask(case.ids, "varlen")
     assert isinstance(mask, VarlenMask)
-
-    def run(fn: Callable, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        q, k, v, dout = (t.detach().clone().requires_grad_(i < 3) for i, t in enumerate(inputs))
-        out = fn(q, k, v)
-        out.backward(dout)
-        return [out.detach().double(), q.grad.double(), k.grad.double(), v.grad.double()]
-
-    shapes = [(batch, heads, seq, head_dim), *[(batch, kv_heads, seq, head_dim)] * 2]
-    shapes.append((batch, heads, seq, head_dim))
-    inputs = [torch.randn(s, device="cuda", generator=gen, dtype=torch.float64) for s in shapes]
-
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
-
-    truth = run(sdpa, inputs)
-    low = [t.bfloat16() for t in inputs]
-    varlen = run(lambda q, k, v: attention(q, k, v, mask, "varlen"), low)
-    ref = run(sdpa, low)
+    truth = case.run(case.sdpa, torch.float64)
+    varlen = case.run(lambda q, k, v: attention(q, k, v, mask, "varlen"), torch.bfloat16)
+    ref = case.run(case.sdpa, torch.bfloat16)
     for name, t, got, r in zip(("out", "dq", "dk", "dv"), truth, varlen, ref, strict=True):
         err, err_sdpa = ((x - t).norm() / t.norm() for x in (got, r))
         assert err < 2 * err_sdpa + 1e-3, f"{name}: varlen {err:.2e}, SDPA {err_sdpa:.2e}"
